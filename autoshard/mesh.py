@@ -1,0 +1,57 @@
+"""Device meshes with named axes ``dp``, ``pp``, ``tp``, built from torchrun's environment."""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autoshard.config import AXES, MeshSpec, pg_timeout_seconds
+
+
+def init_mesh(tp: int = 1, dp: int = 1, pp: int = 1) -> DeviceMesh:
+    """A torch ``DeviceMesh`` of shape (dp, pp, tp) over all ranks; tp varies fastest (one node).
+
+    Reads torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``; uses NCCL on CUDA and gloo on CPU, with a
+    bounded timeout (``AUTOSHARD_TIMEOUT``) so a mismatched program fails instead of hanging.
+    """
+    spec = MeshSpec(dp=dp, pp=pp, tp=tp)
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise RuntimeError("autoshard.init_mesh needs a process group: launch with torchrun "
+                               "(e.g. `torchrun --nproc_per_node=2 train.py`) or call "
+                               "torch.distributed.init_process_group first")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                timeout=datetime.timedelta(seconds=pg_timeout_seconds()))
+    world = dist.get_world_size()
+    if spec.size != world:
+        raise ValueError(f"mesh dp={dp} x pp={pp} x tp={tp} = {spec.size} ranks, but the world has {world}: "
+                         f"make the product of the axis sizes equal the number of processes")
+    return init_device_mesh("cuda" if cuda else "cpu", (dp, pp, tp), mesh_dim_names=AXES)
+
+
+def mesh_spec(mesh) -> MeshSpec:
+    """Validate a DeviceMesh (or a MeshSpec / dict) and return its shape as a MeshSpec."""
+    if isinstance(mesh, MeshSpec):
+        return mesh
+    if isinstance(mesh, dict):
+        unknown = set(mesh) - set(AXES)
+        if unknown:
+            raise ValueError(f"unknown mesh axis name(s) {sorted(unknown)}: autoshard's axes are {AXES}")
+        return MeshSpec(**mesh)
+    names = mesh.mesh_dim_names or ()
+    unknown = [n for n in names if n not in AXES]
+    if not names or unknown:
+        raise ValueError(f"unknown mesh axis name(s) {unknown or '(unnamed)'}: name the mesh axes from {AXES}, "
+                         f"e.g. autoshard.init_mesh(tp=2)")
+    sizes = dict(zip(names, mesh.mesh.shape))
+    spec = MeshSpec(**sizes)
+    if dist.is_initialized() and spec.size != dist.get_world_size():
+        raise ValueError(f"the mesh has {spec.size} ranks but the world has {dist.get_world_size()}: "
+                         "a mesh must cover every process")
+    return spec

@@ -1,0 +1,124 @@
+"""``ParallelModule``: the user-facing module holding one rank's program and its parameter shards."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from autoshard.passes.spec import Replicate, Shard
+from autoshard.runtime.collectives import gather_full, take_shard
+
+
+def _key(name):
+    return name.replace(".", "__")
+
+
+class ParallelModule(nn.Module):
+    """Runs one rank's compiled program; its parameters are this rank's shards (any torch optimizer).
+
+    ``forward`` takes the same inputs as the original model and returns the same structure.
+    ``full_state_dict()`` gathers the original names and full shapes; ``load_full_state_dict`` slices.
+    """
+
+    def __init__(self, program, model: nn.Module):
+        super().__init__()
+        self.program = program
+        self.comm = program.comm
+        self.graph = program.gm
+        self.shards = nn.ParameterDict()
+        self.placements = {}
+        self._full_shapes = {}
+        full = dict(model.named_parameters())
+        for name, placement, shape, dtype in program.params:
+            p = full[name]
+            local = self._materialize(model, name, p) if p.is_meta else p.detach()
+            local = self._slice(local, placement, shape)
+            self.shards[_key(name)] = nn.Parameter(local.clone().contiguous(), requires_grad=p.requires_grad)
+            self.placements[name] = placement
+            self._full_shapes[name] = shape
+        self.aliases = dict(program.captured.aliases)
+        self._buffer_names = list(program.captured.buffer_names)
+        named_buffers = dict(model.named_buffers())
+        consts = {k: v for k, v in getattr(program.captured, "constants", {}).items()}
+        for name in self._buffer_names:
+            b = named_buffers.get(name, consts.get(name))
+            self.register_buffer(_key(name), b.detach().clone() if b is not None else None)
+        sd_keys = set(model.state_dict().keys())
+        self._persistent_buffers = [b for b in self._buffer_names if b in sd_keys]
+
+    # --- shards ---------------------------------------------------------------------------------------
+    def _slice(self, full, placement, shape):
+        if isinstance(placement, Shard):
+            return take_shard(full, placement.dim, shape[placement.dim], self.comm, placement.blocks)
+        return full
+
+    @staticmethod
+    def _materialize(model, name, p):
+        """A full tensor for a parameter on ``meta``: its module's ``reset_parameters`` on a scratch copy."""
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        scratch = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
+        if hasattr(scratch, "reset_parameters"):
+            torch.manual_seed(0)  # every rank draws the same full tensor, then keeps its slice
+            scratch.reset_parameters()
+        else:
+            warnings.warn(f"parameter '{name}' is on the meta device and {type(owner).__name__} has no "
+                          "reset_parameters(): it starts uninitialised; load weights with load_full_state_dict")
+        return getattr(scratch, leaf).detach()
+
+    def local_parameters(self):
+        """``{original name: local shard}``."""
+        return {name: self.shards[_key(name)] for name, *_ in self.program.params}
+
+    # --- forward ----------------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self.program.captured.in_spec:
+            raise TypeError(f"inputs do not match the example inputs the model was compiled with: got structure "
+                            f"{spec}, compiled for {self.program.captured.in_spec}; pass the same arguments")
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        shapes = [tuple(x.shape) for x in tensors]
+        want = [s for s in self.program.example_shapes if s is not None]
+        if shapes != want:
+            raise ValueError(f"input shapes {shapes} differ from the compiled shapes {want}: autoshard compiles "
+                             "for static shapes; call parallelize with example_args of the shape you train with")
+        user = [x for x in leaves if isinstance(x, torch.Tensor)]  # export keeps only tensor leaves as inputs
+        params = [self.shards[_key(n)] for n, *_ in self.program.params]
+        buffers = [getattr(self, _key(b)) for b in self._buffer_names]
+        flat = self.graph(*params, *buffers, *user)
+        return pytree.tree_unflatten(list(flat), self.program.captured.out_spec)
+
+    # --- full state dicts -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def full_state_dict(self):
+        """Original names and full shapes (tied names included), loadable by the single-device model."""
+        out = {}
+        for name, placement, shape, _ in self.program.params:
+            local = self.shards[_key(name)].detach()
+            if isinstance(placement, Shard):
+                local = gather_full(local, placement.dim, shape[placement.dim], self.comm, placement.blocks, "ckpt")
+            out[name] = local.clone()
+        for alias, main in self.aliases.items():
+            out[alias] = out[main]
+        for b in self._persistent_buffers:
+            out[b] = getattr(self, _key(b)).clone()
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict, strict: bool = True):
+        missing = [n for n, *_ in self.program.params if n not in state_dict]
+        if strict and missing:
+            raise KeyError(f"state dict lacks parameters {missing}")
+        for name, placement, shape, _ in self.program.params:
+            if name not in state_dict:
+                continue
+            full = state_dict[name]
+            if tuple(full.shape) != tuple(shape):
+                raise ValueError(f"'{name}': state dict has shape {tuple(full.shape)}, the model {tuple(shape)}")
+            self.shards[_key(name)].copy_(self._slice(full.to(self.shards[_key(name)].dtype), placement, shape))
+        for b in self._persistent_buffers:
+            if b in state_dict:
+                getattr(self, _key(b)).copy_(state_dict[b])

@@ -1,0 +1,141 @@
+"""Capture: ``torch.export`` (non-strict) to an ATen-level FX graph with parameters as explicit inputs.
+
+Non-strict export runs the model's Python under fake tensors, so a model built on the ``meta`` device
+compiles without allocating its weights. Every placeholder is tagged with ``node.meta["autoshard_kind"]``
+(parameter / buffer / input) and ``["autoshard_name"]`` (the parameter's name in the original model).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.export.graph_signature import InputKind, OutputKind
+
+
+class CaptureError(RuntimeError):
+    """The model's forward could not be traced; the message names the module and the construct."""
+
+
+@dataclass
+class Captured:
+    gm: torch.fx.GraphModule
+    in_spec: object          # pytree spec of (args, kwargs)
+    out_spec: object         # pytree spec of the forward's output
+    param_names: list        # placeholder order: parameter FQNs (one per distinct tensor)
+    buffer_names: list
+    aliases: dict            # FQN of a tied parameter -> FQN of the one the graph uses
+    user_input_names: list
+
+
+_HINTS = [
+    ("data-dependent", "Python control flow or sizes that depend on tensor *values* cannot be traced: "
+                       "use torch.where / torch.cond, or move the branch out of forward()."),
+    ("item()", "Tensor.item() reads a value at trace time: keep the computation in tensors."),
+    ("mutation", "In-place updates of module state during forward cannot be captured: return the value."),
+]
+
+
+def _module_stack_tracker(model):
+    stack, handles = [], []
+
+    def enter(name):
+        def hook(module, args):
+            stack.append(name)
+        return hook
+
+    def leave(module, args, output):
+        stack.pop()
+
+    for name, mod in model.named_modules():
+        handles.append(mod.register_forward_pre_hook(enter(name)))
+        handles.append(mod.register_forward_hook(leave))
+    return stack, handles
+
+
+def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
+    kwargs = kwargs or {}
+    stack, handles = _module_stack_tracker(model)
+    try:
+        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+    except Exception as e:  # name the module the tracer was in and the construct, with a hint
+        where = stack[-1] if stack else "<top>"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        hint = next((h for key, h in _HINTS if key.lower() in str(e).lower()),
+                    "see the torch.export docs on non-strict tracing for what the forward may contain.")
+        module = f"'{where}' ({type(model.get_submodule(where)).__name__})" if where != "<top>" else "the top module"
+        raise CaptureError(f"cannot capture the forward of {module}: {type(e).__name__}: {first}\n"
+                           f"hint: {hint}") from e
+    finally:
+        for h in handles:
+            h.remove()
+
+    for spec in ep.graph_signature.output_specs:
+        if spec.kind not in (OutputKind.USER_OUTPUT,):
+            raise CaptureError(f"the forward mutates {spec.kind.name.lower()} '{spec.target}'; autoshard "
+                               "captures pure forwards only (hint: return the new value instead)")
+    gm = ep.graph_module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    params, buffers, users = [], [], []
+    for node, spec in zip(placeholders, ep.graph_signature.input_specs):
+        if spec.kind is InputKind.PARAMETER:
+            kind, params = "parameter", params + [spec.target]
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            kind, buffers = "buffer", buffers + [spec.target]
+        else:
+            kind, users = "input", users + [spec.arg.name]
+        node.meta["autoshard_kind"] = kind
+        node.meta["autoshard_name"] = spec.target if kind != "input" else spec.arg.name
+
+    by_id = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    aliases = {}
+    used = set(params)
+    for names in by_id.values():
+        main = next((n for n in names if n in used), names[0])
+        for n in names:
+            if n != main:
+                aliases[n] = main
+    return Captured(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, params, buffers, aliases, users)
+
+
+def decompose_bias_pass(gm):
+    """Split ``linear(x, W, b)`` into ``linear(x, W) + b`` and ``addmm(b, x, W)`` into ``mm(x, W) + b``.
+
+    Why: a row-parallel matmul yields a Partial sum, and the bias must be added once, after the
+    all-reduce (Megatron's RowParallelLinear). As a separate ``add`` the planner can place it there;
+    ``fuse_bias_pass`` folds it back wherever the placements allow (column-parallel and replicated).
+    """
+    aten = torch.ops.aten
+    g = gm.graph
+    for n in list(g.nodes):
+        if n.op != "call_function":
+            continue
+        if n.target is aten.linear.default and len(n.args) > 2 and n.args[2] is not None:
+            x, w, b = n.args[:3]
+            with g.inserting_after(n):
+                mm = g.call_function(aten.linear.default, (x, w))
+                mm.meta = {**n.meta, "val": _meta_like(n.meta["val"])}
+                with g.inserting_after(mm):
+                    add = g.call_function(aten.add.Tensor, (mm, b))
+            n.replace_all_uses_with(add)
+            add.meta = dict(n.meta)
+            g.erase_node(n)
+        elif n.target is aten.addmm.default and not n.kwargs:
+            b, x, w = n.args[:3]
+            with g.inserting_after(n):
+                mm = g.call_function(aten.mm.default, (x, w))
+                mm.meta = {**n.meta, "val": _meta_like(n.meta["val"])}
+                with g.inserting_after(mm):
+                    add = g.call_function(aten.add.Tensor, (mm, b))
+            n.replace_all_uses_with(add)
+            add.meta = dict(n.meta)
+            g.erase_node(n)
+    g.lint()
+    gm.recompile()
+    return gm
+
+
+def _meta_like(v):
+    return torch.empty(v.shape, dtype=v.dtype, device="meta")

@@ -1,0 +1,420 @@
+"""Per-op sharding rules: for one ATen op, every way it can run locally on one tensor-parallel axis.
+
+A rule returns ``Strategy`` objects: the placement of the output and the placement each input must
+arrive in. The planner (``plan.py``) picks one strategy per node; the rewrite (``tp_rewrite.py``) makes the
+graph local. A rule lists only strategies whose *local* computation is exact, so anything the rules do
+not cover runs replicated — never a silent wrong result. The rules know ops, not modules: Megatron's
+plan falls out of the costs, not out of names like ``c_fc``.
+
+Op-specific lowerings (``Strategy.lowering``) name the few cases where the local program is not the
+same op on local shards: the vocab-parallel embedding (mask out-of-range ids) and the vocab-parallel
+cross-entropy (all-reduce the max, the target logit and the sum of exps; never gather the logits).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+
+from autoshard.passes.shapes import map_shard_through_view, infer_view_shape, shape_of, val
+from autoshard.passes.spec import P, R, Partial, Placement, Replicate, Shard, shardable
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Strategy:
+    out: Placement
+    ins: tuple                    # one placement per node.all_input_nodes entry
+    lowering: str | None = None   # a local implementation other than the op itself
+    comm: tuple = ()              # collectives inside the op: (kind, numel_expr_key) pairs
+    sharded: bool = False         # True when each rank computes 1/t of the op
+
+
+@dataclass
+class RuleContext:
+    t: int
+    hints: dict = field(default_factory=dict)      # node -> {(dim, blocks)} from fused-projection splits
+    unruled: list = field(default_factory=list)    # nodes replicated because no rule knows their op
+
+
+def _ins(node, mapping: dict):
+    """Placements aligned with ``node.all_input_nodes``; inputs not named are Replicate."""
+    return tuple(mapping.get(n, R) for n in node.all_input_nodes)
+
+
+def shard_options(node, shape, ctx: RuleContext, allow_pad=False):
+    """All shards of a tensor: every dim t divides (or, if allowed, pads), plus blocked shards from hints."""
+    opts = [Shard(d) for d, n in enumerate(shape) if n > 1 and shardable(n, ctx.t, 1, allow_pad)]
+    for d, k in sorted(ctx.hints.get(node, ())):
+        if shardable(shape[d], ctx.t, k):
+            opts.append(Shard(d, k))
+    return opts
+
+
+def _replicated(node):
+    return [Strategy(R, _ins(node, {}))]
+
+
+# --- pointwise ----------------------------------------------------------------------------------------
+POINTWISE = {
+    aten.add, aten.sub, aten.mul, aten.div, aten.gelu, aten.tanh, aten.pow, aten.relu, aten.silu,
+    aten.sigmoid, aten.exp, aten.neg, aten.dropout, aten.to, aten._to_copy, aten.alias, aten.clone,
+    aten.contiguous, aten.where, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.masked_fill,
+    aten.rsqrt, aten.sqrt, aten.abs, aten.erf, aten.type_as, aten.detach, aten.reciprocal, aten.rsub,
+    aten.logical_and, aten.logical_or, aten.bitwise_and, aten.__and__, aten.__or__, aten.softplus,
+}
+LINEAR_UNARY = {aten.neg, aten.alias, aten.clone, aten.contiguous, aten.to, aten._to_copy, aten.detach,
+                aten.type_as}
+
+
+def _is_identity_dropout(node):
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return p == 0.0 or not train
+
+
+def pointwise(node, ctx):
+    out = shape_of(node)
+    tensors = node.all_input_nodes
+    strategies = _replicated(node)
+    for s in shard_options(node, out, ctx, allow_pad=True):
+        m = {}
+        for inp in tensors:
+            ishape = shape_of(inp) or ()
+            d = s.dim - (len(out) - len(ishape))
+            m[inp] = Shard(d, s.blocks) if d >= 0 and ishape[d] == out[s.dim] else R
+        strategies.append(Strategy(s, _ins(node, m), sharded=True))
+    # Partial passes through ops that are linear in the partial operand.
+    packet = node.target.overloadpacket
+    tensor_args = [a for a in node.args if isinstance(a, torch.fx.Node)]
+    if packet in (aten.add, aten.sub) and len(tensor_args) == 2 and "alpha" not in node.kwargs:
+        strategies.append(Strategy(P, _ins(node, {n: P for n in tensors})))
+    elif packet in (aten.mul, aten.div) and tensor_args:
+        first = tensor_args[0]  # x * y, x / y: partial in x, y replicated (or a scalar)
+        strategies.append(Strategy(P, _ins(node, {first: P})))
+        if packet is aten.mul and len(tensor_args) == 2:
+            strategies.append(Strategy(P, _ins(node, {tensor_args[1]: P})))
+    elif packet in LINEAR_UNARY or (packet is aten.dropout and _is_identity_dropout(node)):
+        strategies.append(Strategy(P, _ins(node, {tensors[0]: P})))
+    return strategies
+
+
+# --- layout ops ---------------------------------------------------------------------------------------
+def view(node, ctx):
+    src = node.args[0]
+    ishape, oshape = shape_of(src), shape_of(node)
+    strategies = _replicated(node) + [Strategy(P, _ins(node, {src: P}))]
+    for s in shard_options(src, ishape, ctx, allow_pad=True):
+        mapped = map_shard_through_view(ishape, oshape, s.dim, s.blocks, ctx.t)
+        if mapped and shardable(oshape[mapped[0]], ctx.t, mapped[1], allow_pad=True):
+            strategies.append(Strategy(Shard(*mapped), _ins(node, {src: s}), sharded=True))
+    return strategies
+
+
+def _permuting(node, ctx, perm):
+    """Ops that only reorder dims: ``perm[out_dim] = in_dim``."""
+    src = node.args[0]
+    strategies = _replicated(node) + [Strategy(P, _ins(node, {src: P}))]
+    for s in shard_options(src, shape_of(src), ctx, allow_pad=True):
+        if s.dim in perm:
+            strategies.append(Strategy(Shard(perm.index(s.dim), s.blocks), _ins(node, {src: s}), sharded=True))
+    return strategies
+
+
+def transpose(node, ctx):
+    nd = len(shape_of(node))
+    d0, d1 = (a % nd for a in node.args[1:3])
+    perm = list(range(nd))
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return _permuting(node, ctx, perm)
+
+
+def permute(node, ctx):
+    nd = len(shape_of(node))
+    return _permuting(node, ctx, [d % nd for d in node.args[1]])
+
+
+def t_(node, ctx):
+    return _permuting(node, ctx, [1, 0] if len(shape_of(node)) == 2 else [0])
+
+
+def unsqueeze(node, ctx):
+    nd = len(shape_of(node))
+    d = node.args[1] % nd
+    return _permuting(node, ctx, [i if i < d else (i - 1 if i > d else -1) for i in range(nd)])
+
+
+def expand(node, ctx):
+    src = node.args[0]
+    ishape, oshape = shape_of(src), shape_of(node)
+    off = len(oshape) - len(ishape)
+    perm = [i - off if i >= off and ishape[i - off] == oshape[i] else -1 for i in range(len(oshape))]
+    return _permuting(node, ctx, perm)
+
+
+def _split_sizes(node):
+    src = node.args[0]
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    n = shape_of(src)[dim % len(shape_of(src))]
+    if node.target.overloadpacket is aten.split_with_sizes:
+        return list(node.args[1]), dim % len(shape_of(src))
+    size = node.args[1]
+    return [min(size, n - i) for i in range(0, n, size)], dim % len(shape_of(src))
+
+
+def split(node, ctx):
+    src = node.args[0]
+    sizes, dim = _split_sizes(node)
+    strategies = _replicated(node) + [Strategy(P, _ins(node, {src: P}))]
+    for s in shard_options(src, shape_of(src), ctx):
+        if s.dim != dim:
+            strategies.append(Strategy(s, _ins(node, {src: s}), sharded=True))
+        elif s.blocks == len(sizes) and len(set(sizes)) == 1:  # fused q|k|v: each piece sharded by heads
+            strategies.append(Strategy(Shard(dim), _ins(node, {src: s}), sharded=True))
+    return strategies
+
+
+def getitem(node, ctx):
+    src = node.args[0]
+    opts = [R, P] + shard_options(node, shape_of(node), ctx)
+    return [Strategy(p, _ins(node, {src: p}), sharded=isinstance(p, Shard)) for p in opts]
+
+
+def slice_like(node, ctx):
+    """slice/select/narrow along ``dim``: any other dim keeps its shard."""
+    src = node.args[0]
+    nd_in = len(shape_of(src))
+    dim = (node.args[1] if len(node.args) > 1 else 0) % nd_in
+    drops = node.target.overloadpacket is aten.select
+    strategies = _replicated(node) + [Strategy(P, _ins(node, {src: P}))]
+    for s in shard_options(src, shape_of(src), ctx):
+        if s.dim != dim:
+            od = s.dim - 1 if drops and s.dim > dim else s.dim
+            strategies.append(Strategy(Shard(od, s.blocks), _ins(node, {src: s}), sharded=True))
+    return strategies
+
+
+def cat(node, ctx):
+    tensors = node.all_input_nodes
+    nd = len(shape_of(node))
+    dim = (node.args[1] if len(node.args) > 1 else 0) % nd
+    strategies = _replicated(node) + [Strategy(P, _ins(node, {n: P for n in tensors}))]
+    for s in shard_options(node, shape_of(node), ctx):
+        if s.dim != dim and s.blocks == 1:
+            strategies.append(Strategy(s, _ins(node, {n: s for n in tensors}), sharded=True))
+    return strategies
+
+
+# --- reductions and normalisations --------------------------------------------------------------------
+def softmax(node, ctx):
+    src = node.args[0]
+    dim = node.args[1] % len(shape_of(src))
+    return _replicated(node) + [Strategy(s, _ins(node, {src: s}), sharded=True)
+                                for s in shard_options(src, shape_of(src), ctx) if s.dim != dim]
+
+
+def reduce_sum(node, ctx):
+    src = node.args[0]
+    ishape = shape_of(src)
+    dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(len(ishape)))
+    dims = {d % len(ishape) for d in ([dims] if isinstance(dims, int) else dims)}
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    is_sum = node.target.overloadpacket is aten.sum
+    strategies = _replicated(node) + ([Strategy(P, _ins(node, {src: P}))] if is_sum else [])
+    for s in shard_options(src, ishape, ctx):
+        if s.dim in dims:
+            if is_sum and s.blocks == 1:
+                strategies.append(Strategy(P, _ins(node, {src: s}), sharded=True))
+        else:
+            od = s.dim if keep else s.dim - sum(1 for d in dims if d < s.dim)
+            strategies.append(Strategy(Shard(od, s.blocks), _ins(node, {src: s}), sharded=True))
+    return strategies
+
+
+def layer_norm(node, ctx):
+    x = node.args[0]
+    nd = len(shape_of(x))
+    normalized = len(node.args[1])
+    return _replicated(node) + [Strategy(s, _ins(node, {x: s}), sharded=True)
+                                for s in shard_options(x, shape_of(x), ctx) if s.dim < nd - normalized]
+
+
+# --- contractions -------------------------------------------------------------------------------------
+def linear(node, ctx):
+    """y = x W^T (+ b). Column: W split by output rows. Row: W split by input columns -> Partial."""
+    x, w = node.args[0], node.args[1]
+    b = node.args[2] if len(node.args) > 2 else None
+    xs, ws, ys = shape_of(x), shape_of(w), shape_of(node)
+    last = len(ys) - 1
+    strategies = _replicated(node)
+    blocks = {1} | {k for d, k in ctx.hints.get(node, ()) if d == last}
+    for k in sorted(blocks):
+        if shardable(ws[0], ctx.t, k, allow_pad=(k == 1)):
+            m = {w: Shard(0, k)} | ({b: Shard(0, k)} if b is not None else {})
+            strategies.append(Strategy(Shard(last, k), _ins(node, m), sharded=True))
+    if b is None and ws[1] % ctx.t == 0:
+        strategies.append(Strategy(P, _ins(node, {x: Shard(len(xs) - 1), w: Shard(1)}), sharded=True))
+    for d in range(len(xs) - 1):
+        if xs[d] % ctx.t == 0 and xs[d] > 1:
+            strategies.append(Strategy(Shard(d), _ins(node, {x: Shard(d)}), sharded=True))
+    if b is None:
+        strategies.append(Strategy(P, _ins(node, {x: P})))
+    return strategies
+
+
+def mm(node, ctx):
+    a, b = node.args[0], node.args[1]
+    (m, k), (_, n) = shape_of(a), shape_of(b)
+    strategies = _replicated(node) + [Strategy(P, _ins(node, {a: P}))]
+    blocks = {1} | {kk for d, kk in ctx.hints.get(node, ()) if d == 1}
+    for kk in sorted(blocks):
+        if shardable(n, ctx.t, kk, allow_pad=(kk == 1)):
+            strategies.append(Strategy(Shard(1, kk), _ins(node, {b: Shard(1, kk)}), sharded=True))
+    if k % ctx.t == 0:
+        strategies.append(Strategy(P, _ins(node, {a: Shard(1), b: Shard(0)}), sharded=True))
+    if m % ctx.t == 0:
+        strategies.append(Strategy(Shard(0), _ins(node, {a: Shard(0)}), sharded=True))
+    return strategies
+
+
+def bmm(node, ctx):
+    a, b = node.args[0], node.args[1]
+    (B, m, k), (_, _, n) = shape_of(a), shape_of(b)
+    t = ctx.t
+    strategies = _replicated(node)
+    if B % t == 0:
+        strategies.append(Strategy(Shard(0), _ins(node, {a: Shard(0), b: Shard(0)}), sharded=True))
+    if m % t == 0:
+        strategies.append(Strategy(Shard(1), _ins(node, {a: Shard(1)}), sharded=True))
+    if n % t == 0:
+        strategies.append(Strategy(Shard(2), _ins(node, {b: Shard(2)}), sharded=True))
+    if k % t == 0:
+        strategies.append(Strategy(P, _ins(node, {a: Shard(2), b: Shard(1)}), sharded=True))
+    return strategies
+
+
+def sdpa(node, ctx):
+    """Attention is independent per batch row and per head: shard either, q, k, v (and mask) alike."""
+    q, k, v = node.args[:3]
+    mask = node.args[3] if len(node.args) > 3 and isinstance(node.args[3], torch.fx.Node) else None
+    qs = shape_of(q)
+    strategies = _replicated(node)
+    for d in (0, 1):
+        if qs[d] % ctx.t == 0 and qs[d] > 1:
+            m = {q: Shard(d), k: Shard(d), v: Shard(d)}
+            if mask is not None:
+                ms = shape_of(mask)
+                md = d - (len(qs) - len(ms))
+                m[mask] = Shard(md) if md >= 0 and ms[md] == qs[d] else R
+            strategies.append(Strategy(Shard(d), _ins(node, m), sharded=True))
+    return strategies
+
+
+# --- embedding and loss -------------------------------------------------------------------------------
+def embedding(node, ctx):
+    """Megatron's vocab-parallel embedding: each rank looks up its vocab rows, zeros elsewhere -> Partial.
+
+    The hidden-sharded alternative (weight ``Shard(1)``) is deliberately not offered: with a tied LM head
+    the weight must be vocab-sharded anyway, and keeping one layout for tied and untied models keeps
+    checkpoints and the loss path identical (noted as a possible future candidate in the docs).
+    """
+    w, idx = node.args[0], node.args[1]
+    strategies = _replicated(node)
+    if shardable(shape_of(w)[0], ctx.t, allow_pad=True):
+        strategies.append(Strategy(P, _ins(node, {w: Shard(0)}), lowering="vocab_parallel_embedding",
+                                   sharded=True))
+    for d, n in enumerate(shape_of(idx)):
+        if n % ctx.t == 0 and n > 1:
+            strategies.append(Strategy(Shard(d), _ins(node, {idx: Shard(d)}), sharded=True))
+    return strategies
+
+
+def cross_entropy(node, ctx):
+    """Vocab-parallel cross-entropy on logits sharded by vocab: all-reduce the row max, then one all-reduce
+    of the stacked (sum of exps, target logit), N floats each: 2 collectives, the logits never gathered."""
+    logits = node.args[0]
+    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+    smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
+    strategies = _replicated(node)
+    if len(shape_of(logits)) == 2 and weight is None and smoothing == 0.0:
+        if shardable(shape_of(logits)[1], ctx.t, allow_pad=True):
+            n = shape_of(logits)[0]
+            strategies.append(Strategy(R, _ins(node, {logits: Shard(1)}), sharded=True,
+                                       lowering="vocab_parallel_cross_entropy",
+                                       comm=(("all_reduce", n), ("all_reduce", 2 * n))))
+    return strategies
+
+
+RULES = {
+    aten.view: view, aten.reshape: view, aten._unsafe_view: view,
+    aten.transpose: transpose, aten.permute: permute, aten.t: t_, aten.unsqueeze: unsqueeze,
+    aten.expand: expand, aten.split: split, aten.split_with_sizes: split,
+    aten.slice: slice_like, aten.select: slice_like, aten.narrow: slice_like, aten.cat: cat,
+    aten._softmax: softmax, aten.softmax: softmax, aten._log_softmax: softmax, aten.log_softmax: softmax,
+    aten.sum: reduce_sum, aten.mean: reduce_sum,
+    aten.layer_norm: layer_norm, aten.linear: linear, aten.mm: mm, aten.bmm: bmm,
+    aten.scaled_dot_product_attention: sdpa, aten.embedding: embedding,
+    aten.cross_entropy_loss: cross_entropy,
+}
+VIEW_OPS = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
+
+
+def strategies_for(node, ctx: RuleContext):
+    """The strategies of one call_function node (always at least the all-Replicate one)."""
+    if node.target is operator.getitem:
+        return getitem(node, ctx)
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet in RULES:
+        return RULES[packet](node, ctx)
+    if packet in POINTWISE:
+        return pointwise(node, ctx)
+    if not node.all_input_nodes or not isinstance(val(node), (torch.Tensor, list, tuple)):
+        return [Strategy(R, _ins(node, {}))]  # creation ops (arange, full) and side-effect-only ops
+    ctx.unruled.append(node)
+    return _replicated(node)
+
+
+# --- fused-projection hints ---------------------------------------------------------------------------
+def block_hints(gm, t):
+    """Find fused projections: a tensor split into k equal pieces along a dim wants ``Shard(dim, blocks=k)``.
+
+    The hint is carried upstream through views and pointwise ops to the projection that made the tensor
+    and from there to its weight and bias, so the planner can offer the strided shard everywhere along
+    the way (``linear -> add(bias) -> view -> split`` in HF GPT-2).
+    """
+    hints = {}
+
+    def add(node, dim, k):
+        if (dim, k) in hints.setdefault(node, set()):
+            return
+        hints[node].add((dim, k))
+        if node.op != "call_function":
+            return
+        packet = getattr(node.target, "overloadpacket", None)
+        out = shape_of(node)
+        if packet in (aten.view, aten.reshape, aten._unsafe_view, aten.alias):
+            src = node.args[0]
+            mapped = map_shard_through_view(out, shape_of(src), dim, 1, t)
+            if mapped and shape_of(src)[mapped[0]] == out[dim]:
+                add(src, mapped[0], k)
+        elif packet in POINTWISE:
+            for inp in node.all_input_nodes:
+                s = shape_of(inp) or ()
+                d = dim - (len(out) - len(s))
+                if d >= 0 and s[d] == out[dim]:
+                    add(inp, d, k)
+        elif packet is aten.linear and dim == len(out) - 1:
+            add(node.args[1], 0, k)
+            if len(node.args) > 2 and node.args[2] is not None:
+                add(node.args[2], 0, k)
+        elif packet is aten.mm and dim == 1:
+            add(node.args[1], 1, k)
+
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "overloadpacket", None) in (aten.split, aten.split_with_sizes):
+            sizes, dim = _split_sizes(node)
+            if len(sizes) > 1 and len(set(sizes)) == 1:
+                add(node.args[0], dim, len(sizes))
+    return hints

@@ -1,0 +1,92 @@
+"""Shape helpers shared by the sharding rules and the rewrite: how a view/reshape maps dims."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def val(node):
+    """The FakeTensor (or list of them) that ``torch.export`` recorded for a node, or None."""
+    return node.meta.get("val") if hasattr(node, "meta") else None
+
+
+def shape_of(node):
+    v = val(node)
+    return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
+
+
+def is_tensor_node(node) -> bool:
+    return isinstance(val(node), torch.Tensor)
+
+
+def infer_view_shape(in_shape, sizes):
+    sizes = [int(s) for s in sizes]
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s != -1)
+        sizes[sizes.index(-1)] = math.prod(in_shape) // max(known, 1)
+    return tuple(sizes)
+
+
+def view_groups(in_shape, out_shape):
+    """Pair up dims of a contiguous reshape: ``[(in_dims, out_dims), ...]`` with equal products.
+
+    ``(2, 16, 192) -> (32, 192)`` gives ``[((0, 1), (0,)), ((2,), (1,))]``. Size-1 dims join the group
+    on their left so they never carry a shard.
+    """
+    groups, i, j = [], 0, 0
+    ni, no = len(in_shape), len(out_shape)
+    while i < ni or j < no:
+        gi, gj = [], []
+        pi = pj = 1
+        if i < ni:
+            gi.append(i); pi *= in_shape[i]; i += 1
+        if j < no:
+            gj.append(j); pj *= out_shape[j]; j += 1
+        while pi != pj:
+            if pi < pj and i < ni:
+                gi.append(i); pi *= in_shape[i]; i += 1
+            elif j < no:
+                gj.append(j); pj *= out_shape[j]; j += 1
+            else:
+                return None
+        while i < ni and in_shape[i] == 1 and (j >= no or out_shape[j] != 1):
+            gi.append(i); i += 1
+        while j < no and out_shape[j] == 1 and (i >= ni or in_shape[i] != 1):
+            gj.append(j); j += 1
+        groups.append((tuple(gi), tuple(gj)))
+    return groups
+
+
+def map_shard_through_view(in_shape, out_shape, dim, blocks, t):
+    """Where a shard on input ``dim`` lands after a reshape, or None when it cannot stay local.
+
+    Exact cases: a dim that survives unchanged; the leading dim of a merge (``(B, T) -> B*T``); the
+    leading dim of a split (``h -> (nh, hs)`` shards the heads). A blocked shard (fused q|k|v) survives
+    a split whose leading size is the block count (``3h -> (3, nh, hs)`` shards ``nh``).
+    """
+    groups = view_groups(in_shape, out_shape)
+    if groups is None:
+        return None
+    for gi, gj in groups:
+        if dim not in gi:
+            continue
+        real_i = [d for d in gi if in_shape[d] != 1]
+        real_j = [d for d in gj if out_shape[d] != 1]
+        if not real_i or dim != real_i[0]:
+            return None
+        if len(real_i) == 1 and len(real_j) == 1:
+            return (real_j[0], blocks)
+        if len(real_j) == 1:  # merge: only the outermost dim may carry the shard, and evenly
+            if blocks != 1 or in_shape[dim] % t:
+                return None
+            return (real_j[0], 1)
+        if len(real_i) == 1:  # split
+            first = real_j[0]
+            if blocks == 1:
+                return (first, 1) if out_shape[first] % t == 0 else None
+            if out_shape[first] == blocks and len(real_j) > 1 and out_shape[real_j[1]] % t == 0:
+                return (real_j[1], 1)
+            return None
+        return None
+    return None

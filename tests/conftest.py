@@ -1,0 +1,16 @@
+"""Shared pytest configuration.
+
+Multi-process (gloo) tests use ``tests.distributed.run_distributed``; the repo
+root is put on ``sys.path`` so ``from tests.distributed import ...`` works
+whether or not the package is installed.
+"""
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+# Keep CPU tests from oversubscribing the (small) CI machine; spawned ranks
+# inherit this too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
