@@ -87,16 +87,25 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
         node.meta["autoshard_kind"] = kind
         node.meta["autoshard_name"] = spec.target if kind != "input" else spec.arg.name
 
+    # Tied weights: export lists every name of a shared tensor, but the graph reads only one of them.
+    # Keep the used name, drop the other placeholders, and remember the alias for state dicts.
     by_id = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
+    node_of = {n.meta["autoshard_name"]: n for n in placeholders if n.meta["autoshard_kind"] == "parameter"}
     aliases = {}
-    used = set(params)
     for names in by_id.values():
-        main = next((n for n in names if n in used), names[0])
+        names = [n for n in names if n in node_of]
+        if len(names) < 2:
+            continue
+        main = next((n for n in names if node_of[n].users), names[0])
         for n in names:
             if n != main:
                 aliases[n] = main
+                if not node_of[n].users:
+                    gm.graph.erase_node(node_of[n])
+                    params.remove(n)
+    gm.recompile()
     return Captured(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, params, buffers, aliases, users)
 
 

@@ -86,8 +86,8 @@ def collectives(gm):
             N = (n.args[1].meta.get("local_shape") or [1])[0]
             out.append(dict(node=n.name, source=None, kind="all_reduce", phase=FWD, shape=(N,), itemsize=4,
                             what="loss: row max"))
-            out.append(dict(node=n.name, source=None, kind="all_reduce", phase=FWD, shape=(2, N), itemsize=4,
-                            what="loss: sum of exps and target logit"))
+            out.append(dict(node=n.name, source=None, kind="all_reduce", phase=FWD, shape=(N,), itemsize=4,
+                            factor=2, what="loss: sum of exps and target logit (stacked)"))
     return out
 
 
@@ -95,7 +95,7 @@ def comm_summary(colls):
     calls, nbytes = Counter(), Counter()
     for c in colls:
         calls[c["phase"], c["kind"]] += 1
-        nbytes[c["phase"], c["kind"]] += numel(c["shape"]) * c["itemsize"]
+        nbytes[c["phase"], c["kind"]] += c.get("factor", 1) * numel(c["shape"]) * c["itemsize"]
     return calls, nbytes
 
 
@@ -112,7 +112,7 @@ def write_plan(gm, dump_dir, *, t, rank, symbols, info, timings, params):
           "| # | node | from | what | phase | kind | axis | elements | bytes | bytes (number) | ring bytes sent per rank |",
           "|---|------|------|------|-------|------|------|----------|-------|----------------|--------------------------|"]
     for i, c in enumerate(colls, 1):
-        el = sympy.Mul(*symbolize(c["shape"], subs)) if c["shape"] else sympy.Integer(1)
+        el = c.get("factor", 1) * (sympy.Mul(*symbolize(c["shape"], subs)) if c["shape"] else sympy.Integer(1))
         nb = el * c["itemsize"]
         n_num = int(nb.subs(subs))
         L.append(f"| {i} | {c['node']} | {c['source'] or ''} | {c['what']} | {c['phase']} | {c['kind']} | tp | "

@@ -88,7 +88,7 @@ def tp_rewrite_pass(gm: fx.GraphModule, comm) -> fx.GraphModule:
         if n.op == "placeholder":
             new = g.placeholder(n.name)
         elif n.op == "output":
-            new = g.output(fx.node.map_arg(n.args, lambda u: in_placement(u, Replicate())))
+            new = g.output(fx.node.map_arg(n.args[0], lambda u: in_placement(u, Replicate())))
             continue
         else:
             mapping = {}
@@ -182,6 +182,11 @@ def check_local_shapes_pass(gm: fx.GraphModule) -> fx.GraphModule:
     inputs = [_meta(n.meta["local_shape"], n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]
 
     class Checker(fx.Interpreter):
+        def call_function(self, target, args, kwargs):
+            if "device" in kwargs:  # keep everything on meta (HF moves embeddings with .to(device))
+                kwargs = {**kwargs, "device": torch.device("meta")}
+            return super().call_function(target, args, kwargs)
+
         def run_node(self, node):
             out = super().run_node(node)
             if isinstance(out, torch.Tensor) and not out.is_meta:  # creation ops (arange) default to cpu

@@ -31,7 +31,7 @@ class ParallelModule(nn.Module):
         self.shards = nn.ParameterDict()
         self.placements = {}
         self._full_shapes = {}
-        full = dict(model.named_parameters())
+        full = dict(model.named_parameters(remove_duplicate=False))  # tied names too
         for name, placement, shape, dtype in program.params:
             p = full[name]
             local = self._materialize(model, name, p) if p.is_meta else p.detach()
