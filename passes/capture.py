@@ -55,11 +55,16 @@ def _module_stack_tracker(model):
 
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
     kwargs = kwargs or {}
+    on_meta = any(p.is_meta for p in model.parameters())
+    device = next((x.device for x in torch.utils._pytree.tree_leaves((args, kwargs))
+                   if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    if on_meta:  # trace a weightless model with weightless inputs; constants are retargeted below
+        args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda x: x.to("meta"), (args, kwargs))
     stack, handles = _module_stack_tracker(model)
     try:
         ep = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as e:  # name the module the tracer was in and the construct, with a hint
-        where = stack[-1] if stack else "<top>"
+        where = stack[-1] if stack and stack[-1] else "<top>"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         hint = next((h for key, h in _HINTS if key.lower() in str(e).lower()),
                     "see the torch.export docs on non-strict tracing for what the forward may contain.")
@@ -75,6 +80,10 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
             raise CaptureError(f"the forward mutates {spec.kind.name.lower()} '{spec.target}'; autoshard "
                                "captures pure forwards only (hint: return the new value instead)")
     gm = ep.graph_module
+    if on_meta:
+        for n in gm.graph.nodes:
+            if n.kwargs.get("device") == torch.device("meta"):
+                n.kwargs = {**n.kwargs, "device": device}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     params, buffers, users = [], [], []
     for node, spec in zip(placeholders, ep.graph_signature.input_specs):

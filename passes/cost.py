@@ -25,14 +25,17 @@ class CostModel:
     bandwidth: float = 100e9          # bytes/s a rank sends in a ring step
     latency: float = 10e-6            # s per collective launch
     flops: float = 100e12             # flop/s of one rank
-    # Tensor parallelism exists to shard weights. A replicated weight matrix (ndim >= 2) is priced as
-    # if its bytes crossed the link this many times per step, far above any activation traffic, so the
-    # planner replicates a weight only when no sharded strategy exists (and the dump says so).
-    replicated_weight_factor: float = 1000.0
-    # An all-gather materialises a t-times larger replica that lives until backward (for the logits,
-    # b*s*V floats: the largest activation of a GPT). Priced per gathered byte on top of the traffic,
-    # this is why the planner keeps the cross-entropy vocab-parallel instead of gathering the logits.
-    gather_memory_factor: float = 1000.0
+    # Tensor parallelism exists to shard weights: a replicated weight matrix (ndim >= 2) also replicates
+    # its gradient and optimizer state, for the whole run. Priced as if its bytes crossed the link this
+    # many times per step -- in effect a hard constraint: a weight is replicated only when no exact
+    # sharded strategy exists (and plan.md says so).
+    replicated_weight_factor: float = 1e6
+    # Making a tensor replicated by communication (all-gather of a shard, all-reduce of partial sums)
+    # materialises a full-size copy on every rank that lives until backward. For the logits that is
+    # b*s*V floats, the largest activation of a GPT. Priced per byte on top of the traffic: this is why
+    # the loss stays vocab-parallel instead of gathering or all-reducing the logits. Every sub-layer's
+    # residual needs one such replica in any plan, so the penalty does not distort the block layout.
+    replicate_memory_factor: float = 1000.0
 
 
 FWD, BWD = "fwd", "bwd"
@@ -76,12 +79,13 @@ def transition(src, dst, requires_grad: bool):
     return [s for s in steps if s[0] == FWD or requires_grad]
 
 
-def collectives_time(steps, nbytes, t, cm: CostModel):
-    if t == 1:
+def collectives_time(steps, nbytes, t, cm: CostModel, materializes=False):
+    """Seconds of the collectives ``steps``; ``materializes``: the result is a new full-size replica."""
+    if t == 1 or not steps:
         return 0.0
     time = sum(cm.latency + volume(kind, nbytes, t) / cm.bandwidth for _, kind in steps)
-    if (FWD, "all_gather") in steps:
-        time += cm.gather_memory_factor * nbytes / cm.bandwidth
+    if materializes:
+        time += cm.replicate_memory_factor * nbytes / cm.bandwidth
     return time
 
 

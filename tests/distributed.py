@@ -38,7 +38,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, result_queue):
+def _worker(rank, world_size, port, fn, args, result_queue, init_pg=True):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
@@ -47,12 +47,13 @@ def _worker(rank, world_size, port, fn, args, result_queue):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
-        )
+        if init_pg:
+            dist.init_process_group(
+                "gloo",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=60),
+            )
         result = fn(rank, world_size, *args)
         result_queue.put((rank, "ok", result))
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -73,11 +74,12 @@ def _kill_all(procs):
         p.join(timeout=5)
 
 
-def run_distributed(fn, world_size, *args, timeout=120):
+def run_distributed(fn, world_size, *args, timeout=120, init_pg=True):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
 
     ``fn`` must be a picklable top-level function and its return value must be
-    picklable. Returns the per-rank results ordered by rank.
+    picklable. Returns the per-rank results ordered by rank. With ``init_pg=False`` the
+    torchrun-style environment is set but ``fn`` creates the process group itself.
     """
     ctx = mp.get_context("spawn")
     result_queue = ctx.Queue()
@@ -85,7 +87,7 @@ def run_distributed(fn, world_size, *args, timeout=120):
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, fn, args, result_queue),
+            args=(rank, world_size, port, fn, args, result_queue, init_pg),
             daemon=True,
         )
         for rank in range(world_size)

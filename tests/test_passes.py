@@ -1,0 +1,137 @@
+"""Tier 1: each pass on small graphs, and compile-only runs of any rank (no processes)."""
+from collections import Counter
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.passes.capture import capture, decompose_bias_pass
+from autoshard.passes.plan import plan_pass
+from autoshard.passes.shapes import map_shard_through_view, view_groups
+from autoshard.passes.spec import P, R, Shard, local_shape, shard_range
+from tests.models import batch, build
+
+aten = torch.ops.aten
+
+
+def count_ops(gm):
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+def planned(kind="gpt", t=2, **cfg):
+    model = build(kind, **cfg)
+    args, kwargs = batch(kind, cfg.get("vocab_size", 96 if kind == "gpt" else 101))
+    gm = decompose_bias_pass(capture(model, args, kwargs).gm)
+    plan_pass(gm, t)
+    return {n.meta.get("autoshard_name"): n.meta["placement"] for n in gm.graph.nodes
+            if n.meta.get("autoshard_kind") == "parameter"}, gm
+
+
+# --- spec and shape helpers ---------------------------------------------------------------------------
+def test_view_groups_and_shard_mapping():
+    assert view_groups((2, 16, 192), (32, 192)) == [((0, 1), (0,)), ((2,), (1,))]
+    assert map_shard_through_view((2, 16, 64), (2, 16, 4, 16), 2, 1, 2) == (2, 1)     # h -> (nh, hs): heads
+    assert map_shard_through_view((2, 16, 64), (2, 16, 4, 16), 2, 1, 8) is None       # 4 heads over 8 ranks
+    assert map_shard_through_view((2, 16, 192), (2, 16, 3, 4, 16), 2, 3, 2) == (3, 1)  # q|k|v blocks -> heads
+    assert map_shard_through_view((2, 16, 64), (32, 64), 0, 1, 2) == (0, 1)           # merge keeps the outer dim
+    assert map_shard_through_view((2, 16, 64), (32, 64), 1, 1, 2) is None             # inner dim of a merge
+
+
+def test_shard_ranges_blocks_and_padding():
+    assert shard_range(12, 2, 1, blocks=3) == [(2, 4), (6, 8), (10, 12)]  # every block's second half
+    assert shard_range(97, 2, 1) == [(49, 97)]                           # last rank: 48 rows + 1 of padding
+    assert local_shape((97, 64), Shard(0), 2) == (49, 64)
+
+
+# --- passes -------------------------------------------------------------------------------------------
+def test_decompose_bias_splits_every_biased_matmul():
+    model = build("gpt", n_layer=1)
+    gm = capture(model, *batch("gpt", 96)).gm
+    before = count_ops(gm)
+    after = count_ops(decompose_bias_pass(gm))
+    biased = 4  # c_attn, c_proj, c_fc, mlp.c_proj (the LM head has no bias)
+    assert after["aten.add.Tensor"] == before["aten.add.Tensor"] + biased
+    assert after["aten.linear.default"] == before["aten.linear.default"]
+    assert all(len(n.args) == 2 for n in gm.graph.nodes if n.target is aten.linear.default)
+
+
+def test_plan_is_megatrons_on_fused_qkv_gpt():
+    pl, gm = planned("gpt", t=2, n_layer=1)
+    assert pl["transformer.h.0.attn.c_attn.weight"] == Shard(0, blocks=3)  # per q/k/v block, by heads
+    assert pl["transformer.h.0.attn.c_attn.bias"] == Shard(0, blocks=3)
+    assert pl["transformer.h.0.attn.c_proj.weight"] == Shard(1)            # row-parallel
+    assert pl["transformer.h.0.mlp.c_fc.weight"] == Shard(0)               # column-parallel
+    assert pl["transformer.h.0.mlp.c_proj.weight"] == Shard(1)             # row-parallel
+    assert pl["transformer.h.0.attn.c_proj.bias"] == R                     # added once, after the all-reduce
+    assert pl["lm_head.weight"] == Shard(0)                                # vocab-parallel (tied with wte)
+    assert pl["transformer.h.0.ln_1.weight"] == R
+    lowerings = Counter(n.meta["tp_strategy"].lowering for n in gm.graph.nodes)
+    assert lowerings["vocab_parallel_embedding"] >= 1
+    assert lowerings["vocab_parallel_cross_entropy"] == 1
+    sdpa = next(n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
+    assert sdpa.meta["placement"] == Shard(1)                              # attention split by heads
+
+
+def test_plan_separate_qkv_and_untied_head():
+    pl, _ = planned("gpt", t=2, n_layer=1, fused_qkv=False, tie_weights=False)
+    for w in ("q_proj", "k_proj", "v_proj"):
+        assert pl[f"transformer.h.0.attn.{w}.weight"] == Shard(0)
+    assert pl["lm_head.weight"] == Shard(0) and pl["transformer.wte.weight"] == Shard(0)
+
+
+def test_plan_hf_gpt2_conv1d_transposed_weights():
+    pl, _ = planned("hf", t=2)
+    assert pl["transformer.h.0.attn.c_attn.weight"] == Shard(1, blocks=3)  # Conv1D stores W as (in, out)
+    assert pl["transformer.h.0.attn.c_proj.weight"] == Shard(0)
+    assert pl["transformer.h.0.mlp.c_fc.weight"] == Shard(1)
+    assert pl["transformer.h.0.mlp.c_proj.weight"] == Shard(0)
+    tied = pl.get("transformer.wte.weight", pl.get("lm_head.weight"))  # HF ties them; the graph reads one
+    assert tied == Shard(0)                                               # 101 rows: padded to 102
+
+
+def test_pin_overrides_the_planner():
+    model = build("gpt", n_layer=1)
+    prog = autoshard.compile_rank(model, {"tp": 2}, 0, *batch("gpt", 96),
+                                  options=autoshard.CompileOptions(pins={"transformer.wpe.weight": R}))
+    assert dict((n, p) for n, p, *_ in prog.params)["transformer.wpe.weight"] == R
+
+
+# --- compile-only runs --------------------------------------------------------------------------------
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_compile_only_first_and_last_rank(tp, tmp_path):
+    model = build("gpt", n_layer=2, n_head=8, n_embd=64, vocab_size=100)
+    args, _ = batch("gpt", 100)
+    cap = capture(model, args, {})
+    for rank in (0, tp - 1):
+        prog = autoshard.compile_rank(model, {"tp": tp}, rank, args, options=autoshard.CompileOptions(
+            dump=str(tmp_path)), captured=capture(model, args, {}))
+        for name, placement, shape, _ in prog.params:  # every weight matrix sharded, shapes local
+            if len(shape) == 2:
+                assert placement != R, name
+        assert prog.comm.size == tp and prog.comm.rank == rank
+    assert (tmp_path / "plan.md").exists() and (tmp_path / f"rank{tp - 1}" / "plan.md").exists()
+    assert len(list(tmp_path.glob("0*_*.txt"))) == 7  # capture + six passes, numbered
+
+
+def test_collectives_match_megatron_count():
+    """4-layer GPT at TP=2, loss only: 2 all-reduces per layer forward and 2 backward, like Megatron's
+    hand-written layers (16), plus one for the embedding, one f for the LM head input, and two in the
+    vocab-parallel loss. Nothing is gathered."""
+    model = build("gpt", n_layer=4)
+    prog = autoshard.compile_rank(model, {"tp": 2}, 0, *batch("gpt", 96),
+                                  options=autoshard.CompileOptions(loss_only=True))
+    kinds = Counter((c["phase"], c["kind"]) for c in prog.collectives)
+    assert kinds == {("fwd", "all_reduce"): 2 * 4 + 1 + 2, ("bwd", "all_reduce"): 2 * 4 + 1}
+    B, T, h = 2, 8, 32
+    layer = [c for c in prog.collectives if tuple(c["shape"]) == (B, T, h)]
+    assert len(layer) == 4 * 4 + 2
+
+
+def test_dump_lists_formulas(tmp_path):
+    model = build("gpt", n_layer=1)
+    autoshard.compile_rank(model, {"tp": 2}, 0, *batch("gpt", 96),
+                           options=autoshard.CompileOptions(dump=str(tmp_path), loss_only=True))
+    plan = (tmp_path / "plan.md").read_text()
+    assert "`4*b*h*s`" in plan and "all_reduce" in plan and "Parameter bytes on this rank" in plan
+    graph = (tmp_path / "04_tp_rewrite.txt").read_text()
+    assert "redistribute_0" in graph and "S(0,b3)" in graph

@@ -1,0 +1,108 @@
+"""The ParallelModule as a user meets it: loss-only runs, full state dicts both ways, models on meta,
+the collective tracer against the plan, and bounded timeouts. One 2-rank process group for all."""
+import copy
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import autoshard
+from autoshard.models import GPT, GPTConfig
+from tests.distributed import run_distributed
+from tests.models import batch, build
+
+
+def rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+def _runtime(rank, world):
+    out = {}
+    mesh = autoshard.init_mesh(tp=world)
+    args, _ = batch("gpt", 96)
+    model = build("gpt")
+    ref = copy.deepcopy(model)
+    _, rloss = ref(*args)
+
+    pm = autoshard.parallelize(model, mesh, example_args=args, loss_only=True)
+    logits, loss = pm(*args)
+    out["loss_only: logits"] = logits
+    out["loss_only: loss"] = rel(loss.detach(), rloss.detach())
+
+    # the tracer counts what the plan says, call for call and byte for byte
+    pm.comm.reset()
+    pm(*args)[1].backward()
+    planned_calls, planned_bytes = {}, {}
+    for c in pm.program.collectives:
+        key = (c["phase"], c["kind"])
+        planned_calls[key] = planned_calls.get(key, 0) + 1
+        n = c.get("factor", 1) * int(torch.tensor(c["shape"]).prod()) * c["itemsize"]
+        planned_bytes[key] = planned_bytes.get(key, 0) + n
+    out["tracer calls"] = (dict(pm.comm.calls), planned_calls)
+    out["tracer bytes"] = (dict(pm.comm.bytes), planned_bytes)
+
+    # full state dict -> the single-device model, strict, tied names included
+    for p in pm.parameters():
+        p.data.add_(0.001)  # move away from the seed so the round trip is not trivially equal
+    fresh = build("gpt")
+    fresh.load_state_dict(pm.full_state_dict(), strict=True)
+    out["full_state_dict -> single device"] = rel(pm(*args)[1].detach(), fresh(*args)[1].detach())
+
+    # a single-device state dict -> the sharded model
+    other = build("gpt", vocab_size=96)
+    torch.manual_seed(123)
+    for p in other.parameters():
+        p.data.normal_(0, 0.05)
+    pm.load_full_state_dict(other.state_dict())
+    out["load_full_state_dict"] = rel(pm(*args)[1].detach(), other(*args)[1].detach())
+
+    # a model built on meta compiles without its weights, then loads them
+    with torch.device("meta"):
+        meta_model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=96))
+    pm_meta = autoshard.parallelize(meta_model, mesh, example_args=args)
+    assert all(not p.is_meta for p in pm_meta.parameters())
+    pm_meta.load_full_state_dict(ref.state_dict())
+    out["meta model"] = rel(pm_meta(*args)[1].detach(), rloss.detach())
+
+    # a mesh that does not cover the world fails before any collective
+    try:
+        autoshard.init_mesh(tp=4)
+        out["mesh mismatch"] = None
+    except ValueError as e:
+        out["mesh mismatch"] = str(e)
+    return out
+
+
+def test_runtime_features():
+    results = run_distributed(_runtime, 2, timeout=300)
+    for rank, out in enumerate(results):
+        assert out["loss_only: logits"] is None
+        for key in ("loss_only: loss", "full_state_dict -> single device", "load_full_state_dict", "meta model"):
+            assert out[key] <= 1e-5, (rank, key, out[key])
+        measured, planned = out["tracer calls"]
+        assert measured == planned and sum(measured.values()) > 0
+        measured, planned = out["tracer bytes"]
+        assert measured == planned
+        assert "world has 2" in out["mesh mismatch"] and "tp=4" in out["mesh mismatch"]
+
+
+def _hang(rank, world):
+    os.environ["AUTOSHARD_TIMEOUT"] = "3"
+    autoshard.init_mesh(tp=world)
+    if rank == 1:
+        time.sleep(8)  # never joins the collective below
+        return None
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))
+    except Exception as e:  # gloo raises once the process-group timeout expires
+        return time.monotonic() - start, type(e).__name__
+    return None
+
+
+def test_collective_timeout_is_bounded():
+    """A rank waiting on a collective its peer never joins fails after AUTOSHARD_TIMEOUT, not never."""
+    results = run_distributed(_hang, 2, timeout=60, init_pg=False)
+    waited, _ = results[0]
+    assert waited < 8
