@@ -79,12 +79,16 @@ def transition(src, dst, requires_grad: bool):
     return [s for s in steps if s[0] == FWD or requires_grad]
 
 
-def collectives_time(steps, nbytes, t, cm: CostModel, materializes=False):
-    """Seconds of the collectives ``steps``; ``materializes``: the result is a new full-size replica."""
+def collectives_time(steps, nbytes, t, cm: CostModel):
+    """Seconds of the collectives ``steps``, plus the price of any full-size replica they materialise.
+
+    A forward all-gather or all-reduce makes one (also on the way from one shard layout to another);
+    a reduce-scatter does not.
+    """
     if t == 1 or not steps:
         return 0.0
     time = sum(cm.latency + volume(kind, nbytes, t) / cm.bandwidth for _, kind in steps)
-    if materializes:
+    if any(phase == FWD and kind in ("all_gather", "all_reduce") for phase, kind in steps):
         time += cm.replicate_memory_factor * nbytes / cm.bandwidth
     return time
 

@@ -107,6 +107,10 @@ def write_plan(gm, dump_dir, *, t, rank, symbols, info, timings, params):
     L = [f"# autoshard plan — tp={t}, rank {rank}", ""]
     if symbols:
         L.append("Sizes: " + ", ".join(f"{k} = {v}" for k, v in symbols.items()) + "")
+        same = [f"{a} = {b}" for i, (a, va) in enumerate(symbols.items()) for b, vb in list(symbols.items())[i + 1:]
+                if va == vb]
+        if same:
+            L.append(f"(Equal sizes {', '.join(same)}: the formulas below cannot tell them apart; the numbers are exact.)")
         L.append("")
     L += ["## Collectives per step (forward + backward)", "",
           "| # | node | from | what | phase | kind | axis | elements | bytes | bytes (number) | ring bytes sent per rank |",

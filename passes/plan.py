@@ -153,9 +153,7 @@ def plan_pass(gm, t: int, cost_model: CostModel | None = None, pins: dict | None
             # Moving a weight (an all-gather each step) is ZeRO-3, not tensor parallelism: priced like
             # replicating it, so weights are consumed where they live.
             scale = cm.replicated_weight_factor if u.meta.get("autoshard_kind") == "parameter" else 1.0
-            price = lambda a, r: scale * collectives_time(
-                transition(a, r, grad), nb, t, cm,
-                materializes=isinstance(r, Replicate) and not isinstance(a, Replicate))
+            price = lambda a, r: scale * collectives_time(transition(a, r, grad), nb, t, cm)
             if grad:
                 for j, sv in enumerate(svs):
                     if partial_grad_use(sv, pos):

@@ -62,7 +62,7 @@ class TPComm:
         out = x.new_empty((self.size * x.shape[0],) + tuple(x.shape[1:])) if dim == 0 else None
         self._log("all_gather", out if out is not None else x.new_empty(x.numel() * self.size), phase)
         if dim == 0:
-            dist.all_gather_into_tensor(out, x, group=self.group)
+            dist.all_gather_single(out, x, group=self.group)
             return out
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x, group=self.group)

@@ -1,0 +1,54 @@
+"""Smoke test of the tensor-parallel benchmark harness (``python -m benchmarks.tp``) at a tiny size.
+
+One timed step of every variant on 2 gloo ranks: each must produce a finite time, and all step-0 losses
+must agree (the harness aborts with ``LossMismatch`` otherwise). Megatron-Core is optional (it is in the
+``bench`` extra): without it the Megatron variant is reported as skipped, not failed.
+"""
+import importlib.util
+import math
+import os
+
+from benchmarks import tp as bench
+
+TINY = ["--tp", "2", "--vocab", "64", "--layers", "1", "--hidden", "32", "--heads", "4", "--seq", "8",
+        "--batch", "2", "--steps", "1", "--warmup", "0", "--timeout", "120"]
+
+
+def test_bench_smoke(tmp_path):
+    res = bench.main(TINY + ["--out", str(tmp_path)])
+    (run,) = res["runs"]
+    assert run["tp"] == 2 and run["vocab"] == 64
+    rows = run["variants"]
+    assert set(rows) == set(bench.VARIANTS)
+
+    have_megatron = importlib.util.find_spec("megatron") is not None
+    for name, row in rows.items():
+        if name == "megatron" and not have_megatron:
+            assert not row["available"] and "megatron" in row["reason"]
+            continue
+        assert row["available"], f"{name}: {row}"
+        assert len(row["step_ms"]) == 1
+        assert all(math.isfinite(t) and t > 0 for t in row["step_ms"]), (name, row["step_ms"])
+        assert math.isfinite(row["median_ms"]) and math.isfinite(row["min_ms"])
+        assert math.isfinite(row["loss"])
+    # the TP variants communicate; the single-process ones do not
+    for name in ("dtensor", "autoshard") + (("megatron",) if have_megatron else ()):
+        assert rows[name]["calls_per_step"] > 0 and rows[name]["bytes_per_step"] > 0
+    assert rows["single_1t"]["calls_per_step"] == 0
+
+    # every variant on every rank agreed on the step-0 loss (main() raises LossMismatch otherwise)
+    losses = [v for per_rank in run["losses"] for v in per_rank.values()]
+    ref = losses[0]
+    assert all(abs(v - ref) <= bench.RTOL * abs(ref) for v in losses), run["losses"]
+
+    assert os.path.exists(tmp_path / "tp_results.md") and os.path.exists(tmp_path / "tp_results.json")
+    assert "autoshard" in (tmp_path / "tp_results.md").read_text()
+
+
+def test_loss_check_catches_a_wrong_program():
+    ok = [{"single_1t": 4.0, "megatron": 4.0 + 1e-6, "autoshard": 4.0}, {"megatron": 4.0, "autoshard": 4.0}]
+    assert bench.check_losses(ok) is None
+    bad = [{"single_1t": 4.0, "autoshard": 4.0}, {"autoshard": 4.01}]
+    msg = bench.check_losses(bad)
+    assert msg and "autoshard on rank 1" in msg
+    assert "nan" in bench.check_losses([{"single_1t": 4.0, "dtensor": float("nan")}])
