@@ -131,25 +131,19 @@ def decompose_bias_pass(gm):
         if n.op != "call_function":
             continue
         if n.target is aten.linear.default and len(n.args) > 2 and n.args[2] is not None:
-            x, w, b = n.args[:3]
-            with g.inserting_after(n):
-                mm = g.call_function(aten.linear.default, (x, w))
-                mm.meta = {**n.meta, "val": _meta_like(n.meta["val"])}
-                with g.inserting_after(mm):
-                    add = g.call_function(aten.add.Tensor, (mm, b))
-            n.replace_all_uses_with(add)
-            add.meta = dict(n.meta)
-            g.erase_node(n)
+            (x, w, b), matmul = n.args[:3], aten.linear.default
         elif n.target is aten.addmm.default and not n.kwargs:
-            b, x, w = n.args[:3]
-            with g.inserting_after(n):
-                mm = g.call_function(aten.mm.default, (x, w))
-                mm.meta = {**n.meta, "val": _meta_like(n.meta["val"])}
-                with g.inserting_after(mm):
-                    add = g.call_function(aten.add.Tensor, (mm, b))
-            n.replace_all_uses_with(add)
-            add.meta = dict(n.meta)
-            g.erase_node(n)
+            (b, x, w), matmul = n.args[:3], aten.mm.default
+        else:
+            continue
+        with g.inserting_after(n):
+            mm = g.call_function(matmul, (x, w))
+            mm.meta = {**n.meta, "val": _meta_like(n.meta["val"])}
+            with g.inserting_after(mm):
+                add = g.call_function(aten.add.Tensor, (mm, b))
+        n.replace_all_uses_with(add)
+        add.meta = dict(n.meta)
+        g.erase_node(n)
     g.lint()
     gm.recompile()
     return gm
