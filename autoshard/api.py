@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +17,7 @@ from autoshard.mesh import mesh_spec
 from autoshard.passes import dump as D
 from autoshard.passes.capture import Captured, capture
 from autoshard.passes.pipeline import CompileContext, compile_graph
-from autoshard.passes.spec import Placement
+from autoshard.passes.spec import local_shape
 from autoshard.runtime.collectives import TPComm
 
 aten = torch.ops.aten
@@ -36,6 +37,18 @@ class Program:
     cc: CompileContext
     compile_seconds: float = 0.0
     collectives: list = field(default_factory=list)
+
+
+def warn_dropout(gm, t):
+    """Dropout with p > 0 in a replicated region must draw the same mask on every tp rank."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is aten.dropout.default and t > 1:
+            p, train = (list(n.args[1:3]) + [0.5, True])[:2]
+            if p > 0 and train:
+                warnings.warn("the model has dropout with p > 0: replicated activations stay identical across tp "
+                              "ranks only if every rank seeds torch identically (torch.manual_seed(seed) on all "
+                              "ranks); a model-parallel RNG tracker is not implemented yet", stacklevel=3)
+                return
 
 
 def check_heads(gm, t):
@@ -74,6 +87,7 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
     captured = captured or capture(model, tuple(example_args), dict(example_kwargs or {}))
     gm = captured.gm
     check_heads(gm, spec.tp)
+    warn_dropout(gm, spec.tp)
     comm = TPComm(spec.tp, coords["tp"], group)
     dump = _dump_dir(options.dump)
     if dump and rank != 0:
@@ -93,14 +107,9 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
     prog.collectives = D.collectives(local)
     if dump:
         D.write_plan(local, dump, t=spec.tp, rank=rank, symbols=symbols, info=cc.info, timings=cc.timings,
-                     params=[(nm, pl, _local(gs, pl, spec.tp), gs, torch.empty((), dtype=dt).element_size())
+                     params=[(nm, pl, local_shape(gs, pl, spec.tp), gs, torch.empty((), dtype=dt).element_size())
                              for nm, pl, gs, dt in params])
     return prog
-
-
-def _local(shape, placement, t):
-    from autoshard.passes.spec import local_shape
-    return local_shape(shape, placement, t)
 
 
 def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *, pins: dict | None = None,

@@ -26,6 +26,7 @@ class Captured:
     buffer_names: list
     aliases: dict            # FQN of a tied parameter -> FQN of the one the graph uses
     user_input_names: list
+    constants: dict          # lifted constant tensors (export's ep.constants), by name
 
 
 _HINTS = [
@@ -80,6 +81,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
             raise CaptureError(f"the forward mutates {spec.kind.name.lower()} '{spec.target}'; autoshard "
                                "captures pure forwards only (hint: return the new value instead)")
     gm = ep.graph_module
+    for n in list(gm.graph.nodes):  # export's dtype asserts: no output, and sharding never changes dtypes
+        if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(n)
     if on_meta:
         for n in gm.graph.nodes:
             if n.kwargs.get("device") == torch.device("meta"):
@@ -115,7 +119,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
                     gm.graph.erase_node(node_of[n])
                     params.remove(n)
     gm.recompile()
-    return Captured(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, params, buffers, aliases, users)
+    return Captured(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, params, buffers, aliases, users,
+                    dict(ep.constants))
 
 
 def decompose_bias_pass(gm):

@@ -105,8 +105,8 @@ def flops(node, shape_of):
         return 2 * numel(out) * shape_of(node.args[1])[1]
     if packet is aten.mm:
         return 2 * numel(out) * shape_of(node.args[0])[1]
-    if packet is aten.bmm:
-        return 2 * numel(out) * shape_of(node.args[0])[2]
+    if packet in (aten.bmm, aten.matmul):
+        return 2 * numel(out) * shape_of(node.args[0])[-1]
     if packet is aten.scaled_dot_product_attention:
         q, k = shape_of(node.args[0]), shape_of(node.args[1])
         return 4 * numel(q) * k[-2]

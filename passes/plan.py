@@ -27,6 +27,9 @@ from autoshard.passes.shapes import shape_of, val
 from autoshard.passes.spec import R, Partial, Replicate, Shard, shardable
 
 
+FORBIDDEN = 1e9  # seconds: a choice the ILP must never take
+
+
 class PlanError(ValueError):
     """The plan cannot be built (a pinned placement is impossible, the ILP is infeasible)."""
 
@@ -71,10 +74,10 @@ def partial_grad_use(strategy: Strategy, pos: int) -> bool:
     return isinstance(strategy.ins[pos], Replicate) and not isinstance(strategy.out, Replicate)
 
 
-def param_strategies(node, ctx, cm, pins):
+def param_strategies(node, ctx, pins):
     shape = shape_of(node)
     name = node.meta.get("autoshard_name")
-    opts = [R] + [s for s in shard_options(node, shape, ctx, allow_pad=False)]
+    opts = [R] + shard_options(node, shape, ctx, allow_pad=False)
     if shape and len(shape) >= 1 and not shardable(shape[0], ctx.t) and shardable(shape[0], ctx.t, allow_pad=True):
         opts.append(Shard(0))  # padded rows (vocab): consumers that accept it mask the tail
     if name in pins:
@@ -108,7 +111,7 @@ def plan_pass(gm, t: int, cost_model: CostModel | None = None, pins: dict | None
     strategies = {}
     for n in gm.graph.nodes:
         if n.op == "placeholder":
-            strategies[n] = (param_strategies(n, ctx, cm, pins) if n.meta.get("autoshard_kind") == "parameter"
+            strategies[n] = (param_strategies(n, ctx, pins) if n.meta.get("autoshard_kind") == "parameter"
                              else [Strategy(R, ())])
         elif n.op == "call_function":
             strategies[n] = strategies_for(n, ctx)
@@ -154,6 +157,8 @@ def plan_pass(gm, t: int, cost_model: CostModel | None = None, pins: dict | None
             # replicating it, so weights are consumed where they live.
             scale = cm.replicated_weight_factor if u.meta.get("autoshard_kind") == "parameter" else 1.0
             price = lambda a, r: scale * collectives_time(transition(a, r, grad), nb, t, cm)
+            if isinstance(val(u), (list, tuple)):  # a split's list cannot be redistributed, only its items
+                price = lambda a, r: 0.0 if a == r else FORBIDDEN
             if grad:
                 for j, sv in enumerate(svs):
                     if partial_grad_use(sv, pos):

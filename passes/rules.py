@@ -295,6 +295,39 @@ def bmm(node, ctx):
     return strategies
 
 
+def matmul(node, ctx):
+    """N-d ``a @ b`` ([..., m, k] @ [..., k, n], batch dims broadcast): eager attention's QK^T and PV.
+
+    Batch dims (heads, batch) shard both operands alike; m shards a, n shards b; k sharded on both gives
+    Partial. Two-d weights (``x @ W``) are the column/row cases of ``mm``.
+    """
+    a, b = node.args[0], node.args[1]
+    sa, sb, so = shape_of(a), shape_of(b), shape_of(node)
+    if len(sa) < 2 or len(sb) < 2:
+        return _replicated(node)
+    t, nd = ctx.t, len(so)
+    strategies = _replicated(node) + [Strategy(P, _ins(node, {a: P}))]
+    for d in range(nd - 2):  # batch dims, right-aligned
+        da, db = d - (nd - len(sa)), d - (nd - len(sb))
+        ka = sa[da] if da >= 0 else 1
+        kb = sb[db] if db >= 0 else 1
+        if so[d] % t or so[d] == 1:
+            continue
+        m = {}
+        if ka == so[d]:
+            m[a] = Shard(da)
+        if kb == so[d]:
+            m[b] = Shard(db)
+        strategies.append(Strategy(Shard(d), _ins(node, m), sharded=True))
+    if sa[-2] % t == 0:
+        strategies.append(Strategy(Shard(nd - 2), _ins(node, {a: Shard(len(sa) - 2)}), sharded=True))
+    if sb[-1] % t == 0:
+        strategies.append(Strategy(Shard(nd - 1), _ins(node, {b: Shard(len(sb) - 1)}), sharded=True))
+    if sa[-1] % t == 0:
+        strategies.append(Strategy(P, _ins(node, {a: Shard(len(sa) - 1), b: Shard(len(sb) - 2)}), sharded=True))
+    return strategies
+
+
 def sdpa(node, ctx):
     """Attention is independent per batch row and per head: shard either, q, k, v (and mask) alike."""
     q, k, v = node.args[:3]
@@ -354,7 +387,7 @@ RULES = {
     aten.slice: slice_like, aten.select: slice_like, aten.narrow: slice_like, aten.cat: cat,
     aten._softmax: softmax, aten.softmax: softmax, aten._log_softmax: softmax, aten.log_softmax: softmax,
     aten.sum: reduce_sum, aten.mean: reduce_sum,
-    aten.layer_norm: layer_norm, aten.linear: linear, aten.mm: mm, aten.bmm: bmm,
+    aten.layer_norm: layer_norm, aten.linear: linear, aten.mm: mm, aten.bmm: bmm, aten.matmul: matmul,
     aten.scaled_dot_product_attention: sdpa, aten.embedding: embedding,
     aten.cross_entropy_loss: cross_entropy,
 }

@@ -41,7 +41,8 @@ def _local_val(node, placement, t):
     return v
 
 
-def _vocab_range(n, comm, placement):
+def _vocab_range(n, comm):
+    """The vocab rows ``[start, start + valid)`` this rank holds of a padded vocab-sharded dim."""
     (start, stop), = shard_range(n, comm.size, comm.rank)
     return start, stop - start
 
@@ -117,11 +118,11 @@ def _lower(g, n, s, args, kwargs, comm, add_module):
     t = comm.size
     packet = getattr(n.target, "overloadpacket", None)
     if s.lowering == "vocab_parallel_embedding":
-        start, valid = _vocab_range(shape_of(n.args[0])[0], comm, s.ins[0])
+        start, valid = _vocab_range(shape_of(n.args[0])[0], comm)
         name = add_module("vocab_embedding", M.VocabParallelEmbedding(start, valid))
         return g.call_module(name, args[:2])
     if s.lowering == "vocab_parallel_cross_entropy":
-        start, valid = _vocab_range(shape_of(n.args[0])[1], comm, s.ins[0])
+        start, valid = _vocab_range(shape_of(n.args[0])[1], comm)
         reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
         ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
         name = add_module("vocab_cross_entropy", M.VocabParallelCrossEntropy(comm, start, valid, ignore, reduction))

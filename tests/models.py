@@ -15,8 +15,9 @@ def build(kind: str, **cfg):
     from transformers import GPT2Config, GPT2LMHeadModel
     base = dict(vocab_size=101, n_positions=16, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
                 embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    attn = cfg.pop("attn", "sdpa")
     hf = GPT2Config(**(base | cfg))
-    hf._attn_implementation = "sdpa"
+    hf._attn_implementation = attn
     return GPT2LMHeadModel(hf)
 
 

@@ -19,8 +19,9 @@ VARIANTS = [
     ("gpt", dict(fused_qkv=True, tie_weights=True, vocab_size=96)),
     ("gpt", dict(fused_qkv=True, tie_weights=True, vocab_size=97)),     # vocab padded to a multiple of tp
     ("gpt", dict(fused_qkv=False, tie_weights=False, vocab_size=96, bias=False)),
-    ("gpt", dict(fused_qkv=False, tie_weights=True, vocab_size=95)),
+    ("gpt", dict(fused_qkv=False, tie_weights=True, vocab_size=95, flash=False)),  # manual attention, mask buffer
     ("hf", dict(vocab_size=101)),                                        # Conv1D, fused c_attn, padded vocab
+    ("hf", dict(vocab_size=100, attn="eager")),                         # HF's eager attention
 ]
 
 

@@ -7,7 +7,9 @@ the layouts the shard planner must handle correctly (see DESIGN.md, "the hard ca
   heads, so the weight is sharded per block), or three separate Linears;
 - ``tie_weights``: the LM head reuses the token embedding (one weight used in two places);
 - ``bias``: biases on every Linear and LayerNorm, or none;
-- ``vocab_size``: any value, including one not divisible by the tensor-parallel size.
+- ``vocab_size``: any value, including one not divisible by the tensor-parallel size;
+- ``flash``: ``scaled_dot_product_attention``, or nanoGPT's manual attention (matmul, a causal-mask
+  buffer, softmax).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class GPTConfig:
     bias: bool = True
     fused_qkv: bool = True
     tie_weights: bool = True
+    flash: bool = True
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -49,6 +52,11 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
         self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.flash = cfg.flash
+        if not cfg.flash:
+            self.attn_dropout = nn.Dropout(cfg.dropout)
+            mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size))
+            self.register_buffer("bias", mask.view(1, 1, cfg.block_size, cfg.block_size))
 
     def forward(self, x):
         B, T, C = x.size()
@@ -60,8 +68,13 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        if self.flash:
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, T)
+            att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+            y = self.attn_dropout(F.softmax(att, dim=-1)) @ v      # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
         return self.resid_dropout(self.c_proj(y))
 

@@ -42,10 +42,12 @@ class ParallelModule(nn.Module):
         self.aliases = dict(program.captured.aliases)
         self._buffer_names = list(program.captured.buffer_names)
         named_buffers = dict(model.named_buffers())
-        consts = {k: v for k, v in getattr(program.captured, "constants", {}).items()}
+        consts = program.captured.constants
         for name in self._buffer_names:
             b = named_buffers.get(name, consts.get(name))
-            self.register_buffer(_key(name), b.detach().clone() if b is not None else None)
+            if b is None:
+                raise ValueError(f"buffer or constant '{name}' of the captured graph was not found in the model")
+            self.register_buffer(_key(name), b.detach().clone())
         sd_keys = set(model.state_dict().keys())
         self._persistent_buffers = [b for b in self._buffer_names if b in sd_keys]
 
