@@ -1,0 +1,1 @@
+"""Benchmarks of autoshard against hand-written tensor parallelism (``python -m benchmarks.tp``)."""
