@@ -79,9 +79,10 @@ def collectives(gm):
             for phase, k in transition(mod.src, mod.dst, n.meta.get("requires_grad", True)):
                 out.append(dict(node=n.name, source=n.meta.get("source"), kind=k, phase=phase,
                                 shape=mod.shape, itemsize=isz, what=f"{mod.src!r} -> {mod.dst!r}"))
-        elif kind == "CopyToTP":
+        elif kind in ("CopyToTP", "ColumnParallelMatmul"):
+            what = "f (gradient of a replicated input)" + (", overlapped with dW" if kind != "CopyToTP" else "")
             out.append(dict(node=n.name, source=n.meta.get("source"), kind="all_reduce", phase=BWD,
-                            shape=mod.shape, itemsize=isz, what="f (gradient of a replicated input)"))
+                            shape=mod.shape, itemsize=isz, what=what))
         elif kind == "VocabParallelCrossEntropy":
             N = (n.args[1].meta.get("local_shape") or [1])[0]
             out.append(dict(node=n.name, source=None, kind="all_reduce", phase=FWD, shape=(N,), itemsize=4,

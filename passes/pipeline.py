@@ -15,6 +15,7 @@ import torch.fx as fx
 from autoshard.passes import dump as D
 from autoshard.passes.capture import decompose_bias_pass
 from autoshard.passes.cost import CostModel
+from autoshard.passes.overlap import overlap_grad_allreduce_pass
 from autoshard.passes.plan import PlanInfo, plan_pass
 from autoshard.passes.tp_rewrite import check_local_shapes_pass, fuse_bias_pass, tp_rewrite_pass
 
@@ -59,6 +60,8 @@ PASSES = [
     ("plan", plan, "placements for every node, from the op rules and the ILP"),
     ("tp_rewrite", lambda gm, cc: tp_rewrite_pass(gm, cc.comm), "local shapes, collectives, lowerings"),
     ("fuse_bias", lambda gm, cc: fuse_bias_pass(gm), "fold bias adds that stayed local back into the matmul"),
+    ("overlap_grad_allreduce", lambda gm, cc: overlap_grad_allreduce_pass(gm),
+     "fuse f into its column-parallel matmul: the gradient all-reduce overlaps dW"),
     ("check_local_shapes", lambda gm, cc: check_local_shapes_pass(gm), "run on meta: every local shape as planned"),
 ]
 

@@ -110,7 +110,7 @@ def test_compile_only_first_and_last_rank(tp, tmp_path):
                 assert placement != R, name
         assert prog.comm.size == tp and prog.comm.rank == rank
     assert (tmp_path / "plan.md").exists() and (tmp_path / f"rank{tp - 1}" / "plan.md").exists()
-    assert len(list(tmp_path.glob("0*_*.txt"))) == 7  # capture + six passes, numbered
+    assert len(list(tmp_path.glob("0*_*.txt"))) == 8  # capture + seven passes, numbered
 
 
 def test_collectives_match_megatron_count():

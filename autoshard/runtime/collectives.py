@@ -50,6 +50,13 @@ class TPComm:
         dist.all_reduce(x, op=op, group=self.group)
         return x
 
+    def all_reduce_async(self, x, phase):
+        """Start an in-place all-reduce of ``x``; returns a handle to ``wait()`` on (or None)."""
+        if x.is_meta or self.size == 1:
+            return None
+        self._log("all_reduce", x, phase)
+        return dist.all_reduce(x, group=self.group, async_op=True)
+
     def all_gather(self, x, dim, phase):
         """Concatenate every rank's ``x`` along ``dim``."""
         if self.size == 1:
@@ -119,6 +126,36 @@ class CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return ctx.comm.all_reduce(g.clone(), "bwd"), None
+
+
+class ColumnParallelMatmul(torch.autograd.Function):
+    """f fused into the column-parallel matmul it feeds: ``y = x W^T + b`` (``W`` stored ``(out, in)``,
+    or ``(in, out)`` with ``transposed``, as HF's Conv1D does).
+
+    Backward starts the all-reduce of the partial input gradient, computes the weight and bias
+    gradients while it runs, then waits: Megatron's LinearWithGradAccumulationAndAsyncCommunication.
+    """
+    @staticmethod
+    def forward(ctx, x, weight, bias, comm, transposed):
+        ctx.save_for_backward(x, weight)
+        ctx.comm, ctx.transposed, ctx.has_bias = comm, transposed, bias is not None
+        return F.linear(x, weight.t() if transposed else weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        w = weight.t() if ctx.transposed else weight          # (out, in)
+        dx = g.matmul(w).contiguous()                         # partial sums over this rank's columns
+        handle = ctx.comm.all_reduce_async(dx, "bwd") if ctx.needs_input_grad[0] else None
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        dw = db = None
+        if ctx.needs_input_grad[1]:
+            dw = x2.t().matmul(g2) if ctx.transposed else g2.t().matmul(x2)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = g2.sum(0)
+        if handle is not None:
+            handle.wait()
+        return dx, dw, db, None, None
 
 
 class ReduceFromTP(torch.autograd.Function):

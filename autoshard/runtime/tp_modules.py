@@ -6,6 +6,7 @@ global shape), prints readably in the pass dumps (``redistribute_3: P -> R``), a
 from __future__ import annotations
 
 import torch.nn as nn
+import torch.nn.functional as F
 
 from autoshard.runtime import collectives as C
 
@@ -33,6 +34,21 @@ class CopyToTP(nn.Module):
 
     def extra_repr(self):
         return f"f: all-reduce of the gradient, global shape {self.shape}"
+
+
+class ColumnParallelMatmul(nn.Module):
+    """f and the column-parallel matmul it feeds, fused so the gradient all-reduce overlaps dW."""
+    def __init__(self, comm, shape, transposed):
+        super().__init__()
+        self.comm, self.shape, self.transposed = comm, tuple(shape), transposed
+
+    def forward(self, x, weight, bias=None):
+        if x.is_meta:
+            return F.linear(x, weight.t() if self.transposed else weight, bias)
+        return C.ColumnParallelMatmul.apply(x, weight, bias, self.comm, self.transposed)
+
+    def extra_repr(self):
+        return f"f fused: async all-reduce of the input gradient (global shape {self.shape}) overlaps dW"
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,0 +1,65 @@
+"""Overlap the column-parallel input-gradient all-reduce with the weight-gradient matmul.
+
+After the rewrite, ``f`` (identity forward, all-reduce backward) and the column-parallel matmul it feeds
+are two autograd nodes. The matmul's backward computes dX and dW together, so the all-reduce of dX
+cannot start before dW is done. Where ``f`` has a single matmul consumer (a fused ``c_attn``, fc1, the LM
+head; HF's ``reshape -> addmm`` too), this pass replaces the pair with ``ColumnParallelMatmul``, whose
+backward runs the all-reduce during dW. Measured on the benchmark's profile: ``CopyToTPBackward`` was
+326 ms of synchronous all-reduce over 18 calls at V=50304, TP=2. An ``f`` shared by separate q, k, v
+projections stays as it is: their partial gradients must be summed before one all-reduce.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autoshard.runtime import tp_modules as M
+
+aten = torch.ops.aten
+
+
+def _matmul_use(node):
+    """(matmul node, x arg, weight, bias, transposed, via) if ``node``'s only use is as a matmul's input."""
+    if len(node.users) != 1:
+        return None
+    user = next(iter(node.users))
+    if user.op != "call_function":
+        return None
+    if user.target is aten.linear.default and user.args[0] is node:
+        bias = user.args[2] if len(user.args) > 2 else None
+        return user, user.args[1], bias, False
+    if user.target is aten.addmm.default and user.args[1] is node and not user.kwargs:
+        return user, user.args[2], user.args[0], True
+    if user.target is aten.mm.default and user.args[0] is node:
+        return user, user.args[1], None, True
+    return None
+
+
+def overlap_grad_allreduce_pass(gm: fx.GraphModule) -> fx.GraphModule:
+    g = gm.graph
+    for f in list(g.nodes):
+        if f.op != "call_module" or not isinstance(gm.get_submodule(f.target), M.CopyToTP):
+            continue
+        chain, node = [], f
+        while len(node.users) == 1 and next(iter(node.users)).target in (aten.reshape.default, aten.view.default):
+            node = next(iter(node.users))
+            chain.append(node)
+        use = _matmul_use(node)
+        if use is None:
+            continue
+        mm, weight, bias, transposed = use
+        fmod = gm.get_submodule(f.target)
+        name = f.target.replace("f_", "column_matmul_")
+        gm.add_submodule(name, M.ColumnParallelMatmul(fmod.comm, fmod.shape, transposed))
+        f.replace_all_uses_with(f.args[0])  # the reshape chain now reads the un-f'd value
+        with g.inserting_before(mm):
+            fused = g.call_module(name, (node if chain else f.args[0], weight) + ((bias,) if bias is not None else ()))
+        fused.meta = dict(mm.meta)
+        mm.replace_all_uses_with(fused)
+        g.erase_node(mm)
+        g.erase_node(f)
+        gm.delete_submodule(f.target)
+        fused._rename(mm.name)
+    g.lint()
+    gm.recompile()
+    return gm
