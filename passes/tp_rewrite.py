@@ -114,6 +114,17 @@ def tp_rewrite_pass(gm: fx.GraphModule, comm) -> fx.GraphModule:
     return out
 
 
+def _sole_reader(u):
+    """Whether the loss may overwrite its logits: they come from a fresh op result through views that
+    nothing else reads (not a graph input, not returned, not saved by a view's other users)."""
+    while True:
+        if len(u.users) != 1 or u.op != "call_function":
+            return False
+        if getattr(u.target, "overloadpacket", None) not in VIEW_OPS | {aten.alias}:
+            return getattr(u.target, "overloadpacket", None) in (aten.linear, aten.mm, aten.matmul, aten.addmm)
+        u = u.args[0]
+
+
 def _lower(g, n, s, args, kwargs, comm, add_module):
     t = comm.size
     packet = getattr(n.target, "overloadpacket", None)
@@ -125,7 +136,8 @@ def _lower(g, n, s, args, kwargs, comm, add_module):
         start, valid = _vocab_range(shape_of(n.args[0])[1], comm)
         reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
         ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
-        name = add_module("vocab_cross_entropy", M.VocabParallelCrossEntropy(comm, start, valid, ignore, reduction))
+        mod = M.VocabParallelCrossEntropy(comm, start, valid, ignore, reduction, inplace=_sole_reader(n.args[0]))
+        name = add_module("vocab_cross_entropy", mod)
         return g.call_module(name, args[:2])
     if packet in VIEW_OPS:
         args = (args[0], list(local_shape(shape_of(n), s.out, t))) + tuple(args[2:])

@@ -254,15 +254,16 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     Memory: one logits-sized buffer (the shifted logits, exponentiated and normalised in place, saved
     for backward, and turned into the gradient in place), as in Megatron. Each extra ``[b*s, V/t]``
-    temporary is ~100 MB at GPT-2's vocab; the first version made three and ran 1.28x Megatron.
+    temporary is ~100 MB at GPT-2's vocab; the first version made three and ran 1.28x Megatron. With
+    ``inplace`` (the rewrite proves nothing else reads the logits) that buffer is the logits themselves.
     """
     @staticmethod
-    def forward(ctx, logits, target, comm, start, valid, ignore_index, reduction):
+    def forward(ctx, logits, target, comm, start, valid, ignore_index, reduction, inplace=False):
         if logits.is_meta:
             return logits.new_empty(() if reduction != 0 else target.shape)
         x = logits.float()
         row_max = comm.all_reduce(x.max(dim=1).values, "fwd", op=dist.ReduceOp.MAX)
-        x = x - row_max.unsqueeze(1)  # the one logits-sized buffer
+        x = x.sub_(row_max.unsqueeze(1)) if inplace else x - row_max.unsqueeze(1)  # the one buffer
         if valid < x.shape[1]:
             x[:, valid:] = float("-inf")
         in_shard = (target >= start) & (target < start + valid)
@@ -289,4 +290,4 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         grad[rows, local_t] -= hit.to(grad.dtype)
         scale = keep.to(grad.dtype) * (g / count if ctx.reduction == 1 else g)
         grad.mul_(scale.unsqueeze(1) if scale.dim() else scale)
-        return grad.to(ctx.dtype), None, None, None, None, None, None
+        return grad.to(ctx.dtype), None, None, None, None, None, None, None

@@ -64,14 +64,15 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelCrossEntropy(nn.Module):
-    def __init__(self, comm, start, valid, ignore_index=-100, reduction=1):
+    def __init__(self, comm, start, valid, ignore_index=-100, reduction=1, inplace=False):
         super().__init__()
         self.comm, self.start, self.valid = comm, start, valid
-        self.ignore_index, self.reduction = ignore_index, reduction
+        self.ignore_index, self.reduction, self.inplace = ignore_index, reduction, inplace
 
     def forward(self, logits, target):
         return C.VocabParallelCrossEntropy.apply(logits, target, self.comm, self.start, self.valid,
-                                                 self.ignore_index, self.reduction)
+                                                 self.ignore_index, self.reduction, self.inplace)
 
     def extra_repr(self):
-        return f"vocab [{self.start}, {self.start + self.valid}), reduction={self.reduction}"
+        return (f"vocab [{self.start}, {self.start + self.valid}), reduction={self.reduction}"
+                + (", in place on the logits" if self.inplace else ""))
