@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.passes.spec import Shard
+from autoshard.passes.spec import Replicate, Shard
 from autoshard.runtime.collectives import gather_full
 from tests.distributed import run_distributed
 from tests.models import batch, build, loss_and_logits
@@ -23,6 +23,7 @@ VARIANTS = [
     ("hf", dict(vocab_size=101)),                                        # Conv1D, fused c_attn, padded vocab
     ("hf", dict(vocab_size=100, attn="eager")),                         # HF's eager attention
     ("gpt", dict(vocab_size=97, loss_only=True)),                        # loss overwrites its logits in place
+    ("gpt", dict(vocab_size=96, pins={"transformer.h.0.mlp.c_fc.weight": Replicate()})),  # off Megatron's path
 ]
 
 
@@ -34,11 +35,13 @@ def rel(a, b, floor=1e-12):
 def _check_variant(kind, cfg, tp, steps=5):
     cfg = dict(cfg)
     loss_only = cfg.pop("loss_only", False)
+    pins = cfg.pop("pins", None)
     model = build(kind, **cfg)
     ref = copy.deepcopy(model)
     args, kwargs = batch(kind, cfg["vocab_size"])
     mesh = autoshard.init_mesh(tp=tp)
-    pm = autoshard.parallelize(model, mesh, example_args=args, example_kwargs=kwargs, loss_only=loss_only)
+    pm = autoshard.parallelize(model, mesh, example_args=args, example_kwargs=kwargs, loss_only=loss_only,
+                                pins=pins)
     errs = {}
 
     loss, logits = loss_and_logits(kind, pm(*args, **kwargs))
