@@ -55,7 +55,10 @@ def check_heads(gm, t):
     """Attention heads must divide evenly over tp: say which module, how many heads, and what works."""
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is aten.scaled_dot_product_attention.default:
-            heads = tuple(n.args[0].meta["val"].shape)[1]
+            shape = tuple(n.args[0].meta["val"].shape)
+            if len(shape) != 4:
+                continue  # (B, L, E): no head dim; the planner shards it by batch or not at all
+            heads = shape[1]
             if heads % t:
                 stack = n.meta.get("nn_module_stack") or {}
                 where = next(reversed(stack.values()))[0] if stack else n.name
@@ -71,11 +74,13 @@ def _user_input_shapes(captured):
 
 
 def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwargs=None,
-                 options: CompileOptions | None = None, group=None, captured: Captured | None = None) -> Program:
+                 options: CompileOptions | None = None, group=None, captured: Captured | None = None,
+                 comm: TPComm | None = None) -> Program:
     """Compile ``model`` for global ``rank`` of ``mesh`` (a DeviceMesh, a MeshSpec or ``{"tp": 4}``).
 
     No collective runs here: with ``group=None`` the program is built (and shape-checked on meta
-    tensors) for inspection only.
+    tensors) for inspection only. ``comm`` replaces the rank's ``TPComm`` (the tests' in-process
+    simulator runs every rank's program in threads this way).
     """
     options = options or CompileOptions()
     spec = mesh_spec(mesh)
@@ -88,7 +93,7 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
     gm = captured.gm
     check_heads(gm, spec.tp)
     warn_dropout(gm, spec.tp)
-    comm = TPComm(spec.tp, coords["tp"], group)
+    comm = comm if comm is not None else TPComm(spec.tp, coords["tp"], group)
     dump = _dump_dir(options.dump)
     if dump and rank != 0:
         dump = f"{dump}/rank{rank}"

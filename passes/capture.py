@@ -27,6 +27,7 @@ class Captured:
     aliases: dict            # FQN of a tied parameter -> FQN of the one the graph uses
     user_input_names: list
     constants: dict          # lifted constant tensors (export's ep.constants), by name
+    example_leaves: list     # the flattened example inputs: non-tensors are compiled in, tensors give shapes
 
 
 _HINTS = [
@@ -59,6 +60,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
     on_meta = any(p.is_meta for p in model.parameters())
     device = next((x.device for x in torch.utils._pytree.tree_leaves((args, kwargs))
                    if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    example_leaves = torch.utils._pytree.tree_leaves((args, kwargs))
     if on_meta:  # trace a weightless model with weightless inputs; constants are retargeted below
         args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda x: x.to("meta"), (args, kwargs))
     stack, handles = _module_stack_tracker(model)
@@ -98,7 +100,14 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
         else:
             kind, users = "input", users + [spec.arg.name]
         node.meta["autoshard_kind"] = kind
+        node.meta["autoshard_requires_grad"] = False
         node.meta["autoshard_name"] = spec.target if kind != "input" else spec.arg.name
+
+    # Inputs that require grad (inputs_embeds, prompt tuning) need Megatron's f like any replicated value.
+    tensor_leaves = [x for x in example_leaves if isinstance(x, torch.Tensor)]
+    inputs = [n for n in placeholders if n.meta["autoshard_kind"] == "input" and isinstance(n.meta.get("val"), torch.Tensor)]
+    for n, x in zip(inputs, tensor_leaves):
+        n.meta["autoshard_requires_grad"] = bool(x.requires_grad and x.is_floating_point())
 
     # Tied weights: export lists every name of a shared tensor, but the graph reads only one of them.
     # Keep the used name, drop the other placeholders, and remember the alias for state dicts.
@@ -120,7 +129,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
                     params.remove(n)
     gm.recompile()
     return Captured(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, params, buffers, aliases, users,
-                    dict(ep.constants))
+                    dict(ep.constants),
+                    [x if not isinstance(x, torch.Tensor) else (tuple(x.shape), x.dtype) for x in example_leaves])
 
 
 def decompose_bias_pass(gm):

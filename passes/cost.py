@@ -53,29 +53,28 @@ def volume(kind: str, nbytes, t: int):
     return (2 if kind == "all_reduce" else 1) * nbytes * factor
 
 
-def transition(src, dst, requires_grad: bool):
+def transition(src, dst, requires_grad: bool, shape=None, t: int = 1):
     """Collectives that move a tensor from placement ``src`` to ``dst``: ``[(phase, kind), ...]``.
 
-    The backward entries follow from the gradient invariant in ``spec.py``: slicing a replicated tensor
-    (R->S) must all-gather its gradient; a row-parallel partial result (P->R) needs nothing backward.
+    Mirrors ``runtime.collectives.redistribute`` step for step (the dump lists these as what runs). The
+    backward entries follow from the gradient invariant in ``spec.py``: slicing a replicated tensor
+    (R->S) all-gathers its gradient; P->R and R->P need nothing backward.
     """
     if src == dst:
         return []
     steps = []
+    even = isinstance(dst, Shard) and dst.blocks == 1 and (shape is None or shape[dst.dim] % t == 0)
     if isinstance(src, Partial) and isinstance(dst, Replicate):
         steps = [(FWD, "all_reduce")]
     elif isinstance(src, Partial) and isinstance(dst, Shard):
-        steps = [(FWD, "reduce_scatter"), (BWD, "all_gather")]
-    elif isinstance(src, Shard) and isinstance(dst, Replicate):
+        steps = ([(FWD, "reduce_scatter"), (BWD, "all_gather")] if even   # padded/blocked: reduce, slice
+                 else [(FWD, "all_reduce"), (BWD, "all_gather")])
+    elif isinstance(src, Shard) and isinstance(dst, (Replicate, Partial)):
         steps = [(FWD, "all_gather")]
     elif isinstance(src, Replicate) and isinstance(dst, Shard):
         steps = [(BWD, "all_gather")]
-    elif isinstance(src, Replicate) and isinstance(dst, Partial):
-        steps = [(BWD, "all_reduce")]
     elif isinstance(src, Shard) and isinstance(dst, Shard):
         steps = [(FWD, "all_gather"), (BWD, "all_gather")]
-    elif isinstance(src, Shard) and isinstance(dst, Partial):
-        steps = [(FWD, "all_gather"), (BWD, "all_reduce")]
     return [s for s in steps if s[0] == FWD or requires_grad]
 
 

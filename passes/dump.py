@@ -76,7 +76,8 @@ def collectives(gm):
         src_val = n.args[0].meta.get("val") if n.args else None
         isz = src_val.element_size() if isinstance(src_val, torch.Tensor) else 4
         if kind == "Redistribute":
-            for phase, k in transition(mod.src, mod.dst, n.meta.get("requires_grad", True)):
+            for phase, k in transition(mod.src, mod.dst, n.meta.get("requires_grad", True), mod.shape,
+                                       mod.comm.size):
                 out.append(dict(node=n.name, source=n.meta.get("source"), kind=k, phase=phase,
                                 shape=mod.shape, itemsize=isz, what=f"{mod.src!r} -> {mod.dst!r}"))
         elif kind in ("CopyToTP", "ColumnParallelMatmul"):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from scipy.optimize import LinearConstraint, milp
+from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from autoshard.passes.cost import CostModel, collectives_time, flops, transition, volume
@@ -61,7 +61,7 @@ def requires_grad(gm):
         v = val(n)
         floating = isinstance(v, torch.Tensor) and v.is_floating_point()
         if n.op == "placeholder":
-            rg[n] = n.meta.get("autoshard_kind") == "parameter"
+            rg[n] = n.meta.get("autoshard_kind") == "parameter" or n.meta.get("autoshard_requires_grad", False)
         elif isinstance(v, (list, tuple)):
             rg[n] = any(rg.get(i, False) for i in n.all_input_nodes)
         else:
@@ -146,6 +146,7 @@ def plan_pass(gm, t: int, cost_model: CostModel | None = None, pins: dict | None
         add_row([(xidx[n, i], 1.0) for i in range(len(strategies[n]))], 1.0, 1.0)
 
     fixed_choice = {n: 0 for n in strategies if len(strategies[n]) == 1}
+    forbidden = []  # variables that must be 0 (a list changing placement)
     fuse_uses = defaultdict(list)  # u -> [(v, i)] strategies that use u replicated with a partial gradient
     for v, svs in strategies.items():
         for pos, u in enumerate(v.all_input_nodes):
@@ -156,8 +157,10 @@ def plan_pass(gm, t: int, cost_model: CostModel | None = None, pins: dict | None
             # Moving a weight (an all-gather each step) is ZeRO-3, not tensor parallelism: priced like
             # replicating it, so weights are consumed where they live.
             scale = cm.replicated_weight_factor if u.meta.get("autoshard_kind") == "parameter" else 1.0
-            price = lambda a, r: scale * collectives_time(transition(a, r, grad), nb, t, cm)
-            if isinstance(val(u), (list, tuple)):  # a split's list cannot be redistributed, only its items
+            shape = shape_of(u)
+            price = lambda a, r: scale * collectives_time(transition(a, r, grad, shape, t), nb, t, cm)
+            is_list = isinstance(val(u), (list, tuple))  # a split's list cannot be redistributed, only its items
+            if is_list:
                 price = lambda a, r: 0.0 if a == r else FORBIDDEN
             if grad:
                 for j, sv in enumerate(svs):
@@ -179,6 +182,8 @@ def plan_pass(gm, t: int, cost_model: CostModel | None = None, pins: dict | None
                     for r in reqs:
                         yid[a, r] = len(costs)
                         costs.append(price(a, r))
+                        if is_list and a != r:
+                            forbidden.append(yid[a, r])
                 for a in outs:
                     add_row([(yid[a, r], 1.0) for r in reqs]
                             + [(xidx[u, i], -1.0) for i, s in enumerate(sus) if s.out == a], 0.0, 0.0)
@@ -200,13 +205,17 @@ def plan_pass(gm, t: int, cost_model: CostModel | None = None, pins: dict | None
     info.variables = nvar
     integrality = np.zeros(nvar)
     integrality[:nx] = 1
+    upper = np.ones(nvar)
+    upper[forbidden] = 0.0
     start = time.perf_counter()
     if nvar:
         A = coo_matrix((vals, (rows, cols)), shape=(nrow, nvar)).tocsr()
-        res = milp(np.asarray(costs), integrality=integrality, bounds=(0, 1),
+        res = milp(np.asarray(costs), integrality=integrality, bounds=Bounds(np.zeros(nvar), upper),
                    constraints=LinearConstraint(A, lo, hi), options={"time_limit": 300})
-        if res.x is None:
-            raise PlanError(f"shard planning found no feasible plan at tp={t}: {res.message}")
+        # Only a proven optimum is the same on every rank; a time-limited incumbent may not be.
+        if res.status != 0 or res.x is None:
+            raise PlanError(f"shard planning did not find a proven optimal plan at tp={t} "
+                            f"({res.message}); {nvar} variables")
         x = res.x
         info.objective = float(res.fun) + const
     info.solve_seconds = time.perf_counter() - start

@@ -75,6 +75,11 @@ def _is_identity_dropout(node):
     return p == 0.0 or not train
 
 
+def _float_result(node):
+    v = val(node)
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
+
+
 def pointwise(node, ctx):
     out = shape_of(node)
     tensors = node.all_input_nodes
@@ -86,9 +91,14 @@ def pointwise(node, ctx):
             d = s.dim - (len(out) - len(ishape))
             m[inp] = Shard(d, s.blocks) if d >= 0 and ishape[d] == out[s.dim] else R
         strategies.append(Strategy(s, _ins(node, m), sharded=True))
-    # Partial passes through ops that are linear in the partial operand.
+    # Partial passes through ops that are linear in the partial operand -- and only in it: y * y of a
+    # Partial y is not the sum of the ranks' squares, and a cast to an integer type is not linear.
     packet = node.target.overloadpacket
     tensor_args = [a for a in node.args if isinstance(a, torch.fx.Node)]
+    if len(set(tensor_args)) != len(tensor_args) or not _float_result(node):
+        return strategies
+    if packet is aten.div and node.kwargs.get("rounding_mode") is not None:
+        return strategies
     if packet in (aten.add, aten.sub) and len(tensor_args) == 2 and "alpha" not in node.kwargs:
         strategies.append(Strategy(P, _ins(node, {n: P for n in tensors})))
     elif packet in (aten.mul, aten.div) and tensor_args:
@@ -332,10 +342,12 @@ def sdpa(node, ctx):
     """Attention is independent per batch row and per head: shard either, q, k, v (and mask) alike."""
     q, k, v = node.args[:3]
     mask = node.args[3] if len(node.args) > 3 and isinstance(node.args[3], torch.fx.Node) else None
-    qs = shape_of(q)
+    qs, ks, vs = shape_of(q), shape_of(k), shape_of(v)
     strategies = _replicated(node)
-    for d in (0, 1):
-        if qs[d] % ctx.t == 0 and qs[d] > 1:
+    # Only dims in front of (L, E) are independent: batch and heads of a (B, nh, L, E) input. A 3-d
+    # (B, L, E) input's dim 1 is the sequence. Grouped-query k/v (fewer heads) shard only by batch.
+    for d in range(len(qs) - 2):
+        if qs[d] % ctx.t == 0 and qs[d] > 1 and ks[d] == vs[d] == qs[d]:
             m = {q: Shard(d), k: Shard(d), v: Shard(d)}
             if mask is not None:
                 ms = shape_of(mask)
@@ -355,7 +367,9 @@ def embedding(node, ctx):
     """
     w, idx = node.args[0], node.args[1]
     strategies = _replicated(node)
-    if shardable(shape_of(w)[0], ctx.t, allow_pad=True):
+    by_freq = len(node.args) > 3 and node.args[3]
+    sparse = len(node.args) > 4 and node.args[4]
+    if shardable(shape_of(w)[0], ctx.t, allow_pad=True) and not by_freq and not sparse:
         strategies.append(Strategy(P, _ins(node, {w: Shard(0)}), lowering="vocab_parallel_embedding",
                                    sharded=True))
     for d, n in enumerate(shape_of(idx)):
@@ -399,10 +413,13 @@ def strategies_for(node, ctx: RuleContext):
     if node.target is operator.getitem:
         return getitem(node, ctx)
     packet = getattr(node.target, "overloadpacket", None)
-    if packet in RULES:
-        return RULES[packet](node, ctx)
+    tensor_args = [a for a in node.args if isinstance(a, torch.fx.Node)]
     if packet in POINTWISE:
         return pointwise(node, ctx)
+    if packet in RULES and len(set(tensor_args)) != len(tensor_args):
+        return _replicated(node)  # x @ x: one node in two roles, which per-node placements cannot express
+    if packet in RULES:
+        return RULES[packet](node, ctx)
     if not node.all_input_nodes or not isinstance(val(node), (torch.Tensor, list, tuple)):
         return [Strategy(R, _ins(node, {}))]  # creation ops (arange, full) and side-effect-only ops
     ctx.unruled.append(node)

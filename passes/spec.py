@@ -85,4 +85,5 @@ def shardable(n: int, t: int, blocks: int = 1, allow_pad: bool = False) -> bool:
         return True
     if blocks > 1:
         return n % blocks == 0 and (n // blocks) % t == 0
-    return n % t == 0 or (allow_pad and n >= t)
+    # padded: every rank must keep at least one real element (a shard of pure padding has no max)
+    return n % t == 0 or (allow_pad and local_size(n, t) * (t - 1) < n)

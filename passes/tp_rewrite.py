@@ -65,8 +65,10 @@ def tp_rewrite_pass(gm: fx.GraphModule, comm) -> fx.GraphModule:
         if (u, placement) in cache:
             return cache[u, placement]
         src = u.meta["placement"]
-        if src == placement or not isinstance(val(u), torch.Tensor):
+        if src == placement:
             return env[u]
+        if not isinstance(val(u), torch.Tensor):
+            raise AssertionError(f"internal error: plan moves list-valued {u.name} from {src!r} to {placement!r}")
         name = add_module("redistribute", M.Redistribute(comm, src, placement, shape_of(u)))
         node = g.call_module(name, (env[u],))
         node.meta.update(placement=placement, local_shape=local_shape(shape_of(u), placement, t),
@@ -130,7 +132,9 @@ def _lower(g, n, s, args, kwargs, comm, add_module):
     packet = getattr(n.target, "overloadpacket", None)
     if s.lowering == "vocab_parallel_embedding":
         start, valid = _vocab_range(shape_of(n.args[0])[0], comm)
-        name = add_module("vocab_embedding", M.VocabParallelEmbedding(start, valid))
+        pad = args[2] if len(args) > 2 else -1
+        local_pad = pad - start if pad is not None and pad >= 0 and start <= pad < start + valid else None
+        name = add_module("vocab_embedding", M.VocabParallelEmbedding(start, valid, local_pad))
         return g.call_module(name, args[:2])
     if s.lowering == "vocab_parallel_cross_entropy":
         start, valid = _vocab_range(shape_of(n.args[0])[1], comm)
@@ -162,8 +166,8 @@ def fuse_bias_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """
     g = gm.graph
     for n in list(g.nodes):
-        if n.op != "call_function" or n.target is not aten.add.Tensor or len(n.args) != 2:
-            continue
+        if n.op != "call_function" or n.target is not aten.add.Tensor or len(n.args) != 2 or n.kwargs:
+            continue  # (add with alpha scales the bias: not foldable)
         mm, b = n.args
         if not isinstance(mm, fx.Node) or not isinstance(b, fx.Node) or len(mm.users) != 1:
             continue

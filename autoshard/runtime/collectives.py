@@ -238,11 +238,15 @@ def redistribute(x, src, dst, comm: TPComm, shape):
 
 
 # --- vocab-parallel embedding and cross-entropy -------------------------------------------------------
-def vocab_parallel_embedding(weight, idx, start: int, valid: int):
-    """Look up the ids this rank's rows hold (``[start, start + valid)``); zeros elsewhere -> Partial."""
+def vocab_parallel_embedding(weight, idx, start: int, valid: int, padding_idx=None):
+    """Look up the ids this rank's rows hold (``[start, start + valid)``); zeros elsewhere -> Partial.
+
+    ``padding_idx`` (local, or None when the padding row lives on another rank) keeps its row's
+    gradient at zero, as ``nn.Embedding(padding_idx=...)`` does.
+    """
     outside = (idx < start) | (idx >= start + valid)
     local = (idx - start).masked_fill(outside, 0)
-    return F.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    return F.embedding(local, weight, padding_idx=padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -262,13 +266,15 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         if logits.is_meta:
             return logits.new_empty(() if reduction != 0 else target.shape)
         x = logits.float()
-        row_max = comm.all_reduce(x.max(dim=1).values, "fwd", op=dist.ReduceOp.MAX)
+        real = x[:, :valid]  # padded vocab columns take no part in the max (nor, below, in the sum)
+        row_max = comm.all_reduce(real.max(dim=1).values, "fwd", op=dist.ReduceOp.MAX)
         x = x.sub_(row_max.unsqueeze(1)) if inplace else x - row_max.unsqueeze(1)  # the one buffer
         if valid < x.shape[1]:
             x[:, valid:] = float("-inf")
         in_shard = (target >= start) & (target < start + valid)
         local_t = (target - start).masked_fill(~in_shard, 0)
-        target_logit = x.gather(1, local_t.unsqueeze(1)).squeeze(1) * in_shard
+        # where, not a product: a -inf logit on a rank that does not hold the target must not make NaN
+        target_logit = torch.where(in_shard, x.gather(1, local_t.unsqueeze(1)).squeeze(1), 0.0)
         exp = x.exp_()
         stats = comm.all_reduce(torch.stack([exp.sum(dim=1), target_logit]), "fwd")
         sum_exp, target_logit = stats[0], stats[1]

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import warnings
+import zlib
 
 import torch
 import torch.nn as nn
@@ -50,6 +52,30 @@ class ParallelModule(nn.Module):
             self.register_buffer(_key(name), b.detach().clone())
         sd_keys = set(model.state_dict().keys())
         self._persistent_buffers = [b for b in self._buffer_names if b in sd_keys]
+        if self.comm.group is not None:
+            self._check_ranks_agree(model)
+
+    def _check_ranks_agree(self, model):
+        """All ranks must run the same plan on the same weights; say so (on every rank) if they do not.
+
+        One small all-gather at set-up: a rank with another plan would run other collectives (a hang or
+        wrong numbers), and weights drawn without a common seed would be shards of different models.
+        """
+        import torch.distributed as dist
+        plan = hashlib.sha1(repr([(n.name, n.meta.get("placement")) for n in self.graph.graph.nodes]).encode())
+        weights = hashlib.sha1()
+        for name, p in model.named_parameters():
+            if not p.is_meta:
+                weights.update(f"{name}:{float(p.detach().double().sum()):.10e}".encode())
+        mine = (plan.hexdigest(), weights.hexdigest())
+        every = [None] * dist.get_world_size(self.comm.group)
+        dist.all_gather_object(every, mine, group=self.comm.group)
+        if len({e[0] for e in every}) > 1:
+            raise RuntimeError("tensor-parallel ranks compiled different plans (different example inputs, "
+                               "models or autoshard versions?): every rank must call parallelize identically")
+        if len({e[1] for e in every}) > 1:
+            raise RuntimeError("the model's weights differ between tensor-parallel ranks: seed every rank the "
+                               "same (torch.manual_seed) before building the model, or load one checkpoint")
 
     # --- shards ---------------------------------------------------------------------------------------
     def _slice(self, full, placement, shape):
@@ -59,13 +85,20 @@ class ParallelModule(nn.Module):
 
     @staticmethod
     def _materialize(model, name, p):
-        """A full tensor for a parameter on ``meta``: its module's ``reset_parameters`` on a scratch copy."""
+        """A full tensor for a parameter on ``meta``: its module's ``reset_parameters`` on a scratch copy.
+
+        One module at a time (the peak is one module's full parameters), seeded from the parameter's name
+        so every rank draws the same tensor and two layers do not draw the same one, inside a forked RNG
+        so the caller's random stream is untouched. This is the module's default init, not the model's
+        own (nanoGPT's normal(0, 0.02), say): load real weights with ``load_full_state_dict``.
+        """
         owner_name, _, leaf = name.rpartition(".")
         owner = model.get_submodule(owner_name)
         scratch = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
         if hasattr(scratch, "reset_parameters"):
-            torch.manual_seed(0)  # every rank draws the same full tensor, then keeps its slice
-            scratch.reset_parameters()
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(zlib.crc32(name.encode()))
+                scratch.reset_parameters()
         else:
             warnings.warn(f"parameter '{name}' is on the meta device and {type(owner).__name__} has no "
                           "reset_parameters(): it starts uninitialised; load weights with load_full_state_dict")
@@ -81,12 +114,15 @@ class ParallelModule(nn.Module):
         if spec != self.program.captured.in_spec:
             raise TypeError(f"inputs do not match the example inputs the model was compiled with: got structure "
                             f"{spec}, compiled for {self.program.captured.in_spec}; pass the same arguments")
-        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        shapes = [tuple(x.shape) for x in tensors]
-        want = [s for s in self.program.example_shapes if s is not None]
-        if shapes != want:
-            raise ValueError(f"input shapes {shapes} differ from the compiled shapes {want}: autoshard compiles "
-                             "for static shapes; call parallelize with example_args of the shape you train with")
+        for i, (x, ex) in enumerate(zip(leaves, self.program.captured.example_leaves)):
+            if isinstance(x, torch.Tensor) != isinstance(ex, tuple) or (
+                    isinstance(x, torch.Tensor) and (tuple(x.shape), x.dtype) != ex):
+                got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+                raise ValueError(f"input {i} is {got}, compiled for {ex}: autoshard compiles for static shapes "
+                                 "and dtypes; call parallelize with example_args like the ones you train with")
+            if not isinstance(x, torch.Tensor) and x != ex:
+                raise ValueError(f"input {i} is {x!r}, but {ex!r} was compiled into the program: non-tensor "
+                                 "arguments are constants of the trace; parallelize again to change them")
         user = [x for x in leaves if isinstance(x, torch.Tensor)]  # export keeps only tensor leaves as inputs
         params = [self.shards[_key(n)] for n, *_ in self.program.params]
         buffers = [getattr(self, _key(b)) for b in self._buffer_names]

@@ -52,12 +52,12 @@ class ColumnParallelMatmul(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, start, valid):
+    def __init__(self, start, valid, padding_idx=None):
         super().__init__()
-        self.start, self.valid = start, valid
+        self.start, self.valid, self.padding_idx = start, valid, padding_idx
 
     def forward(self, weight, idx):
-        return C.vocab_parallel_embedding(weight, idx, self.start, self.valid)
+        return C.vocab_parallel_embedding(weight, idx, self.start, self.valid, self.padding_idx)
 
     def extra_repr(self):
         return f"rows [{self.start}, {self.start + self.valid})"
