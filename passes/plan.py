@@ -158,7 +158,11 @@ def plan_pass(gm, t: int, cost_model: CostModel | None = None, pins: dict | None
             # replicating it, so weights are consumed where they live.
             scale = cm.replicated_weight_factor if u.meta.get("autoshard_kind") == "parameter" else 1.0
             shape = shape_of(u)
-            price = lambda a, r: scale * collectives_time(transition(a, r, grad, shape, t), nb, t, cm)
+            def price(a, r, nb=nb, grad=grad, shape=shape, scale=scale):
+                extra = nb / cm.bandwidth if isinstance(a, Replicate) and isinstance(r, Partial) else 0.0
+                # (R->P writes a zeros tensor on all ranks but one: cheap, but not free -- adding a
+                # row-parallel bias after the all-reduce, as Megatron does, avoids it)
+                return scale * collectives_time(transition(a, r, grad, shape, t), nb, t, cm) + extra
             is_list = isinstance(val(u), (list, tuple))  # a split's list cannot be redistributed, only its items
             if is_list:
                 price = lambda a, r: 0.0 if a == r else FORBIDDEN
@@ -210,14 +214,16 @@ def plan_pass(gm, t: int, cost_model: CostModel | None = None, pins: dict | None
     start = time.perf_counter()
     if nvar:
         A = coo_matrix((vals, (rows, cols)), shape=(nrow, nvar)).tocsr()
-        res = milp(np.asarray(costs), integrality=integrality, bounds=Bounds(np.zeros(nvar), upper),
-                   constraints=LinearConstraint(A, lo, hi), options={"time_limit": 300})
+        # In microseconds, with no MIP gap: tie-breaks worth nanoseconds (where a bias is added) must not
+        # fall under HiGHS's default absolute gap (1e-6), and a proven optimum is the same on every rank.
+        res = milp(1e6 * np.asarray(costs), integrality=integrality, bounds=Bounds(np.zeros(nvar), upper),
+                   constraints=LinearConstraint(A, lo, hi), options={"time_limit": 300, "mip_rel_gap": 0.0})
         # Only a proven optimum is the same on every rank; a time-limited incumbent may not be.
         if res.status != 0 or res.x is None:
             raise PlanError(f"shard planning did not find a proven optimal plan at tp={t} "
                             f"({res.message}); {nvar} variables")
         x = res.x
-        info.objective = float(res.fun) + const
+        info.objective = float(res.fun) / 1e6 + const
     info.solve_seconds = time.perf_counter() - start
 
     for n, ss in strategies.items():

@@ -135,3 +135,23 @@ def test_dump_lists_formulas(tmp_path):
     assert "`4*b*h*s`" in plan and "all_reduce" in plan and "Parameter bytes on this rank" in plan
     graph = (tmp_path / "04_tp_rewrite.txt").read_text()
     assert "redistribute_0" in graph and "S(0,b3)" in graph
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_rewrite_fuse_bias_and_overlap_node_counts(fused):
+    """Per layer: fused q|k|v and fc1 each get f fused into a ColumnParallelMatmul (the gradient
+    all-reduce overlaps dW); separate q, k, v share one plain f. Row-parallel biases stay a separate add
+    after the all-reduce; every other bias is folded back into its linear."""
+    from autoshard.runtime import tp_modules as M
+    L = 2
+    model = build("gpt", n_layer=L, fused_qkv=fused)
+    prog = autoshard.compile_rank(model, {"tp": 2}, 0, *batch("gpt", 96),
+                                  options=autoshard.CompileOptions(loss_only=True))
+    mods = Counter(type(prog.gm.get_submodule(n.target)).__name__ for n in prog.gm.graph.nodes if n.op == "call_module")
+    assert mods["ColumnParallelMatmul"] == (2 if fused else 1) * L + 1   # + the LM head
+    assert mods["CopyToTP"] == (0 if fused else L)
+    assert mods["Redistribute"] == 2 * L + 1                              # g after each row matmul, embedding
+    ops = count_ops(prog.gm)
+    assert ops["aten.add.Tensor"] == 2 * L + 2 * L + 1                    # row biases, residuals, embeddings
+    linears_with_bias = [n for n in prog.gm.graph.nodes if n.target is aten.linear.default and len(n.args) == 3]
+    assert len(linears_with_bias) == (0 if fused else 3 * L)              # (fused ones live in the modules)
