@@ -41,7 +41,7 @@ from autoshard.launch import RankError, backend, launch
 from benchmarks.variants import VARIANTS
 
 DEFAULTS = dict(tp=[2, 4], vocab=[1024, 50304], layers=4, hidden=256, heads=8, seq=128, batch=8,
-                steps=8, warmup=1, seed=0)
+                steps=16, warmup=1, seed=0)
 RTOL = 1e-5
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
