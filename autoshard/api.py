@@ -32,7 +32,6 @@ class Program:
     rank: int
     comm: TPComm
     params: list            # (name, placement, global shape, dtype), in placeholder order
-    example_shapes: list    # shapes of the flattened user inputs the program was compiled for
     symbols: dict
     cc: CompileContext
     compile_seconds: float = 0.0
@@ -41,8 +40,10 @@ class Program:
 
 def warn_dropout(gm, t):
     """Dropout with p > 0 in a replicated region must draw the same mask on every tp rank."""
+    if t == 1:
+        return
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target is aten.dropout.default and t > 1:
+        if n.op == "call_function" and n.target is aten.dropout.default:
             p, train = (list(n.args[1:3]) + [0.5, True])[:2]
             if p > 0 and train:
                 warnings.warn("the model has dropout with p > 0: replicated activations stay identical across tp "
@@ -65,12 +66,6 @@ def check_heads(gm, t):
                 ok = [d for d in range(1, heads + 1) if heads % d == 0]
                 raise ValueError(f"attention in '{where}' has {heads} heads, which tp={t} does not divide: "
                                  f"tensor parallelism splits attention by heads; use tp in {ok}")
-
-
-def _user_input_shapes(captured):
-    return [tuple(n.meta["val"].shape) if isinstance(n.meta.get("val"), torch.Tensor) else None
-            for n in captured.gm.graph.nodes
-            if n.op == "placeholder" and n.meta.get("autoshard_kind") == "input"]
 
 
 def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwargs=None,
@@ -100,14 +95,13 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
     cc = CompileContext(comm=comm, cost_model=options.cost_model, pins=dict(options.pins),
                         loss_only=options.loss_only, disable=tuple(options.disable), dump_dir=dump)
     symbols = D.model_symbols(gm)
-    shapes = _user_input_shapes(captured)
     local = compile_graph(gm, cc)
     params = []
     for n in local.graph.nodes:
         if n.op == "placeholder" and n.meta.get("autoshard_kind") == "parameter":
             params.append((n.meta["autoshard_name"], n.meta["placement"], tuple(n.meta["global_shape"]),
                            n.meta["val"].dtype))
-    prog = Program(local, captured, spec, rank, comm, params, shapes, symbols, cc,
+    prog = Program(local, captured, spec, rank, comm, params, symbols, cc,
                    compile_seconds=time.perf_counter() - start)
     prog.collectives = D.collectives(local)
     if dump:

@@ -107,21 +107,6 @@ class CommTracer(TorchDispatchMode):
         return out
 
 
-def plan_counts(collectives) -> tuple[Counter, Counter]:
-    """The (phase, kind) call and byte counts autoshard's plan (``pm.program.collectives``) promises per step."""
-    calls, nbytes = Counter(), Counter()
-    for c in collectives:
-        if c.get("phase") not in ("fwd", "bwd"):
-            continue
-        numel = 1
-        for d in c["shape"]:
-            numel *= int(d)
-        key = (c["phase"], c["kind"])
-        calls[key] += 1
-        nbytes[key] += int(c.get("factor", 1) * numel * c["itemsize"])
-    return calls, nbytes
-
-
 def by_kind(counter) -> dict:
     """``{(phase, kind): n}`` -> ``{kind: n}`` summed over phases."""
     out = Counter()

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections import Counter
-
 import torch
 
 import autoshard
 from autoshard.models import GPT, GPTConfig
+from autoshard.passes.dump import comm_summary
 
 
 def main(argv=None):
@@ -39,9 +38,9 @@ def main(argv=None):
                                       options=autoshard.CompileOptions(loss_only=True))
         total = time.perf_counter() - start
         passes = sum(prog.cc.timings.values())
-        kinds = Counter(f"{c['phase']} {c['kind']}" for c in prog.collectives)
-        nbytes = sum(c.get("factor", 1) * int(torch.tensor(c["shape"]).prod()) * c["itemsize"]
-                     for c in prog.collectives)
+        calls, per_kind_bytes = comm_summary(prog.collectives)
+        kinds = {f"{phase} {kind}": n for (phase, kind), n in calls.items()}
+        nbytes = sum(per_kind_bytes.values())
         print(f"| {L} | {total:.2f} | {total - passes:.2f} | {passes:.2f} | {prog.cc.info.variables} | "
               f"{prog.cc.info.solve_seconds:.2f} | {sum(kinds.values())} ({dict(kinds)}) | {nbytes:,} |")
 

@@ -135,7 +135,8 @@ def _bench_rank(rank, world, job):
     import torch.distributed as dist
 
     from autoshard.models import GPT, GPTConfig
-    from benchmarks.comm import CommTracer, as_json, plan_counts
+    from autoshard.passes.dump import comm_summary
+    from benchmarks.comm import CommTracer, as_json
     from benchmarks.variants import Unavailable, build
 
     warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
@@ -179,7 +180,7 @@ def _bench_rank(rank, world, job):
             if pm is not None:
                 c["traced_calls"], c["traced_bytes"] = c["calls"], c["bytes"]
                 c["calls"], c["bytes"] = as_json(pm.comm.calls), as_json(pm.comm.bytes)
-                p_calls, p_bytes = plan_counts(pm.program.collectives)
+                p_calls, p_bytes = comm_summary(pm.program.collectives)
                 c["plan_calls"], c["plan_bytes"] = as_json(p_calls), as_json(p_bytes)
                 if c["plan_calls"] != c["calls"] or c["plan_bytes"] != c["bytes"]:
                     plan_warnings.append(

@@ -58,9 +58,8 @@ def _module_stack_tracker(model):
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
     kwargs = kwargs or {}
     on_meta = any(p.is_meta for p in model.parameters())
-    device = next((x.device for x in torch.utils._pytree.tree_leaves((args, kwargs))
-                   if isinstance(x, torch.Tensor)), torch.device("cpu"))
     example_leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    device = next((x.device for x in example_leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
     if on_meta:  # trace a weightless model with weightless inputs; constants are retargeted below
         args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda x: x.to("meta"), (args, kwargs))
     stack, handles = _module_stack_tracker(model)

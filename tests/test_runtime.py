@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard.models import GPT, GPTConfig
+from autoshard.passes.dump import comm_summary
 from tests.distributed import run_distributed
 from tests.models import batch, build
 
@@ -33,12 +34,7 @@ def _runtime(rank, world):
     # the tracer counts what the plan says, call for call and byte for byte
     pm.comm.reset()
     pm(*args)[1].backward()
-    planned_calls, planned_bytes = {}, {}
-    for c in pm.program.collectives:
-        key = (c["phase"], c["kind"])
-        planned_calls[key] = planned_calls.get(key, 0) + 1
-        n = c.get("factor", 1) * int(torch.tensor(c["shape"]).prod()) * c["itemsize"]
-        planned_bytes[key] = planned_bytes.get(key, 0) + n
+    planned_calls, planned_bytes = comm_summary(pm.program.collectives)
     out["tracer calls"] = (dict(pm.comm.calls), planned_calls)
     out["tracer bytes"] = (dict(pm.comm.bytes), planned_bytes)
 

@@ -7,6 +7,7 @@ import warnings
 import zlib
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
@@ -61,7 +62,6 @@ class ParallelModule(nn.Module):
         One small all-gather at set-up: a rank with another plan would run other collectives (a hang or
         wrong numbers), and weights drawn without a common seed would be shards of different models.
         """
-        import torch.distributed as dist
         plan = hashlib.sha1(repr([(n.name, n.meta.get("placement")) for n in self.graph.graph.nodes]).encode())
         weights = hashlib.sha1()
         for name, p in model.named_parameters():
