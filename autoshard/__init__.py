@@ -3,12 +3,14 @@
     mesh = autoshard.init_mesh(tp=2)                       # under torchrun
     pm = autoshard.parallelize(model, mesh, example_args=(idx, targets))
     logits, loss = pm(idx, targets); loss.backward()      # pm.parameters() are this rank's shards
-"""
-from autoshard.api import Program, compile_rank, parallelize
-from autoshard.config import CompileOptions, MeshSpec
-from autoshard.mesh import init_mesh
-from autoshard.passes.cost import CostModel
-from autoshard.passes.spec import Partial, Replicate, Shard
 
-__all__ = ["init_mesh", "parallelize", "compile_rank", "Program", "CompileOptions", "MeshSpec", "CostModel",
-           "Shard", "Replicate", "Partial"]
+docs/architecture.md describes the data flow and where each concern lives.
+"""
+from autoshard.api import compile_rank, parallelize
+from autoshard.ir import (CompileOptions, CostModel, DistSpec, MeshSpec, Partial, Program, Replicate, Shard)
+from autoshard.launcher import RankError, launch
+from autoshard.mesh import init_mesh
+from autoshard.runtime.module import ParallelModule
+
+__all__ = ["init_mesh", "parallelize", "compile_rank", "launch", "RankError", "Program", "ParallelModule", "CompileOptions",
+           "MeshSpec", "CostModel", "DistSpec", "Shard", "Replicate", "Partial"]

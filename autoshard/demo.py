@@ -65,7 +65,7 @@ def main(argv=None):
         print(f"{'step':>5} {'autoshard loss':>15} {'single-device':>14} {'|diff|':>9}")
 
     bar = tqdm(range(args.steps), disable=rank != 0, leave=False, desc="training")
-    pm.comm.reset()
+    pm.reset_comm_counts()
     for step in bar:
         if step:
             x, y = get_batch()
@@ -80,7 +80,7 @@ def main(argv=None):
             ref_opt.zero_grad(set_to_none=True)
             tqdm.write(f"{step:5d} {loss.item():15.6f} {rloss.item():14.6f} {abs(loss.item() - rloss.item()):9.2e}")
             # (the gap grows slowly: Adam turns fp32 rounding differences into step-sized updates)
-    calls = sum(pm.comm.calls.values()) // max(args.steps, 1)
+    calls = sum(pm.comm_counts()[0].values()) // max(args.steps, 1)
     state = pm.full_state_dict()  # collective: every rank takes part
     if rank == 0:
         single = GPT(cfg)

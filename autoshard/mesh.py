@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autoshard.config import AXES, MeshSpec, pg_timeout_seconds
+from autoshard.ir.mesh import AXES, MeshSpec
+from autoshard.ir.options import pg_timeout_seconds
 
 
 def init_mesh(tp: int = 1, dp: int = 1, pp: int = 1) -> DeviceMesh:

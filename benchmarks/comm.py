@@ -13,7 +13,7 @@ issues it, so one tracer counts all the variants alike:
   (like torch's own ``CommDebugMode``, the tracer returns ``NotImplemented`` on DTensor arguments so
   DTensor first lowers its op to these).
 
-Bytes follow autoshard's ``pm.comm`` convention: the bytes of the *full* tensor communicated, i.e. the
+Bytes follow autoshard's tracer convention (``pm.comm_counts()``): the bytes of the *full* tensor communicated, i.e. the
 tensor reduced (all-reduce), the gathered output (all-gather) or the input before scattering
 (reduce-scatter). The phase ("fwd"/"bwd") is whatever the caller set in ``tracer.phase`` (the benchmark
 sets it around the forward call and around ``loss.backward()``). Barriers are not counted.
@@ -105,14 +105,6 @@ class CommTracer(TorchDispatchMode):
             self.calls[self.phase, kind] += 1
             self.bytes[self.phase, kind] += _nbytes(full)
         return out
-
-
-def by_kind(counter) -> dict:
-    """``{(phase, kind): n}`` -> ``{kind: n}`` summed over phases."""
-    out = Counter()
-    for (_, kind), n in counter.items():
-        out[kind] += n
-    return dict(out)
 
 
 def as_json(counter) -> dict:

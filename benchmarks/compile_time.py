@@ -13,7 +13,7 @@ import torch
 
 import autoshard
 from autoshard.models import GPT, GPTConfig
-from autoshard.passes.dump import comm_summary
+from autoshard.ir.program import comm_summary
 
 
 def main(argv=None):
@@ -37,12 +37,12 @@ def main(argv=None):
         prog = autoshard.compile_rank(model, {"tp": args.tp}, 0, (idx, idx),
                                       options=autoshard.CompileOptions(loss_only=True))
         total = time.perf_counter() - start
-        passes = sum(prog.cc.timings.values())
+        passes = sum(prog.timings.values())
         calls, per_kind_bytes = comm_summary(prog.collectives)
-        kinds = {f"{phase} {kind}": n for (phase, kind), n in calls.items()}
+        kinds = {f"{axis} {phase} {kind}": n for (axis, phase, kind), n in calls.items()}
         nbytes = sum(per_kind_bytes.values())
-        print(f"| {L} | {total:.2f} | {total - passes:.2f} | {passes:.2f} | {prog.cc.info.variables} | "
-              f"{prog.cc.info.solve_seconds:.2f} | {sum(kinds.values())} ({dict(kinds)}) | {nbytes:,} |")
+        print(f"| {L} | {total:.2f} | {total - passes:.2f} | {passes:.2f} | {prog.report.variables} | "
+              f"{prog.report.solve_seconds:.2f} | {sum(kinds.values())} ({dict(kinds)}) | {nbytes:,} |")
 
 
 if __name__ == "__main__":

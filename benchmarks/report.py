@@ -68,7 +68,7 @@ def markdown(results: dict) -> str:
         "",
         "Notes: collectives and bytes per step count AR = all-reduce, AG = all-gather, RS = reduce-scatter; "
         "bytes are those of the full tensor (reduced, gathered, or scattered). autoshard's come from its own "
-        "`pm.comm` counters (checked against the plan, `pm.program.collectives`), the others' from "
+        "`pm.comm_counts()` counters (checked against the plan, `pm.program.collectives`), the others' from "
         "`benchmarks.comm.CommTracer` (a TorchDispatchMode over the c10d and functional-collective ops) on an "
         "untimed step. Peak MiB/rank: parameter shards + peak tensor bytes allocated during one step "
         "(torch.profiler allocator events on CPU; torch.cuda.max_memory_allocated on GPU), max over ranks. "

@@ -12,7 +12,7 @@ and the ``--steps`` timed steps INTERLEAVED (A B C A B C ...) so machine noise h
 timed step the ranks meet at a barrier, and a step's time is the max over ranks.
 
 Reported per variant: median and min step time, the ratio to Megatron, collectives and bytes per step
-(autoshard: its own ``pm.comm`` counters, checked against the compiler's plan ``pm.program.collectives``;
+(autoshard: its own ``pm.comm_counts()``, checked against the compiler's plan ``pm.program.collectives``;
 the others: ``benchmarks.comm.CommTracer`` on an untimed step), and memory:
 
 - ``peak MB``: tensor memory of one step, max over ranks: the rank's parameter shards plus the peak of
@@ -34,10 +34,11 @@ import statistics
 import sys
 import time
 import warnings
+from collections import Counter
 
 import torch
 
-from autoshard.launch import RankError, backend, launch
+from autoshard.launcher import RankError, backend, launch
 from benchmarks.variants import VARIANTS
 
 DEFAULTS = dict(tp=[2, 4], vocab=[1024, 50304], layers=4, hidden=256, heads=8, seq=128, batch=8,
@@ -135,7 +136,7 @@ def _bench_rank(rank, world, job):
     import torch.distributed as dist
 
     from autoshard.models import GPT, GPTConfig
-    from autoshard.passes.dump import comm_summary
+    from autoshard.ir.program import comm_summary
     from benchmarks.comm import CommTracer, as_json
     from benchmarks.variants import Unavailable, build
 
@@ -171,7 +172,7 @@ def _bench_rank(rank, world, job):
             v.zero_grad()
             pm = getattr(v, "pm", None)
             if pm is not None:
-                pm.comm.reset()
+                pm.reset_comm_counts()
             tracer = CommTracer()
             with tracer:
                 loss = v.step(idx, tgt, tracer)
@@ -179,18 +180,18 @@ def _bench_rank(rank, world, job):
             c = dict(loss=v.loss_value(loss), calls=as_json(tracer.calls), bytes=as_json(tracer.bytes))
             if pm is not None:
                 c["traced_calls"], c["traced_bytes"] = c["calls"], c["bytes"]
-                c["calls"], c["bytes"] = as_json(pm.comm.calls), as_json(pm.comm.bytes)
-                p_calls, p_bytes = comm_summary(pm.program.collectives)
-                c["plan_calls"], c["plan_bytes"] = as_json(p_calls), as_json(p_bytes)
+                c["calls"], c["bytes"] = (as_json(_without_axis(n)) for n in pm.comm_counts())
+                c["plan_calls"], c["plan_bytes"] = (as_json(_without_axis(n))
+                                                    for n in comm_summary(pm.program.collectives))
                 if c["plan_calls"] != c["calls"] or c["plan_bytes"] != c["bytes"]:
                     plan_warnings.append(
-                        f"WARNING rank {rank}: autoshard's measured collectives per step (pm.comm) differ from its "
+                        f"WARNING rank {rank}: autoshard's measured collectives per step (pm.comm_counts()) differ from its "
                         f"plan (pm.program.collectives): measured calls {c['calls']} bytes {c['bytes']}; "
                         f"plan calls {c['plan_calls']} bytes {c['plan_bytes']}")
                 if c["traced_calls"] != c["calls"] or c["traced_bytes"] != c["bytes"]:
                     plan_warnings.append(
-                        f"WARNING rank {rank}: pm.comm and the dispatcher-level tracer disagree for autoshard: "
-                        f"pm.comm {c['calls']} / {c['bytes']}, tracer {c['traced_calls']} / {c['traced_bytes']}")
+                        f"WARNING rank {rank}: pm.comm_counts() and the dispatcher-level tracer disagree for autoshard: "
+                        f"pm.comm_counts() {c['calls']} / {c['bytes']}, tracer {c['traced_calls']} / {c['traced_bytes']}")
             check[name] = c
             v.zero_grad()
         dist.barrier()
@@ -279,7 +280,7 @@ def _summary(per_rank, job):
             calls=calls, bytes=nbytes,
             calls_per_step=sum(calls.values()), bytes_per_step=sum(nbytes.values()),
             calls_by_kind=_by_kind(calls), bytes_by_kind=_by_kind(nbytes),
-            comm_source="pm.comm" if name == "autoshard" else "CommTracer",
+            comm_source="pm.comm_counts()" if name == "autoshard" else "CommTracer",
             peak_mb=max(rep["peak_bytes"][name] for rep in per_rank if name in rep["peak_bytes"]) / 2**20,
             build_s=max(rep["build_s"][name] for rep in per_rank),
         )
@@ -296,6 +297,14 @@ def _summary(per_rank, job):
                 max_rss_mb=[rep["max_rss_mb"] for rep in per_rank],
                 warnings=[w for rep in per_rank for w in rep["warnings"]],
                 profile=r0.get("profile") or {})
+
+
+def _without_axis(counter):
+    """autoshard counts by (axis, phase, kind); the dispatcher-level tracer by (phase, kind)."""
+    out = Counter()
+    for (_, phase, kind), n in counter.items():
+        out[phase, kind] += n
+    return out
 
 
 def _by_kind(d):

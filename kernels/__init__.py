@@ -1,5 +1,4 @@
-"""Triton code generation for fused operators (DESIGN.md pass 6).
+"""Triton code generation for fused operators (docs/architecture.md, "Where the next features go").
 
-Not implemented yet: the fuse pass is a later issue; nothing in autoshard
-calls into this package today.
+Not implemented yet: the fusion pass is a later issue; nothing in autoshard calls into this package.
 """

@@ -1,33 +1,21 @@
 """Capture: ``torch.export`` (non-strict) to an ATen-level FX graph with parameters as explicit inputs.
 
 Non-strict export runs the model's Python under fake tensors, so a model built on the ``meta`` device
-compiles without allocating its weights. Every placeholder is tagged with ``node.meta["autoshard_kind"]``
-(parameter / buffer / input) and ``["autoshard_name"]`` (the parameter's name in the original model).
+compiles without allocating its weights. Every placeholder is annotated with ``meta.KIND`` (parameter /
+buffer / input), ``meta.NAME`` (its name in the original model) and ``meta.REQUIRES_GRAD``.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
 
+from autoshard.ir import meta as M
+from autoshard.ir.program import Captured
+
 
 class CaptureError(RuntimeError):
     """The model's forward could not be traced; the message names the module and the construct."""
-
-
-@dataclass
-class Captured:
-    gm: torch.fx.GraphModule
-    in_spec: object          # pytree spec of (args, kwargs)
-    out_spec: object         # pytree spec of the forward's output
-    param_names: list        # placeholder order: parameter FQNs (one per distinct tensor)
-    buffer_names: list
-    aliases: dict            # FQN of a tied parameter -> FQN of the one the graph uses
-    user_input_names: list
-    constants: dict          # lifted constant tensors (export's ep.constants), by name
-    example_leaves: list     # the flattened example inputs: non-tensors are compiled in, tensors give shapes
 
 
 _HINTS = [
@@ -98,22 +86,22 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
             kind, buffers = "buffer", buffers + [spec.target]
         else:
             kind, users = "input", users + [spec.arg.name]
-        node.meta["autoshard_kind"] = kind
-        node.meta["autoshard_requires_grad"] = False
-        node.meta["autoshard_name"] = spec.target if kind != "input" else spec.arg.name
+        M.KIND.set(node, kind)
+        M.REQUIRES_GRAD.set(node, kind == "parameter")
+        M.NAME.set(node, spec.target if kind != "input" else spec.arg.name)
 
     # Inputs that require grad (inputs_embeds, prompt tuning) need Megatron's f like any replicated value.
     tensor_leaves = [x for x in example_leaves if isinstance(x, torch.Tensor)]
-    inputs = [n for n in placeholders if n.meta["autoshard_kind"] == "input" and isinstance(n.meta.get("val"), torch.Tensor)]
+    inputs = [n for n in placeholders if M.KIND.get(n) == "input" and isinstance(n.meta.get("val"), torch.Tensor)]
     for n, x in zip(inputs, tensor_leaves):
-        n.meta["autoshard_requires_grad"] = bool(x.requires_grad and x.is_floating_point())
+        M.REQUIRES_GRAD.set(n, bool(x.requires_grad and x.is_floating_point()))
 
     # Tied weights: export lists every name of a shared tensor, but the graph reads only one of them.
     # Keep the used name, drop the other placeholders, and remember the alias for state dicts.
     by_id = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
-    node_of = {n.meta["autoshard_name"]: n for n in placeholders if n.meta["autoshard_kind"] == "parameter"}
+    node_of = {M.NAME.get(n): n for n in placeholders if M.KIND.get(n) == "parameter"}
     aliases = {}
     for names in by_id.values():
         names = [n for n in names if n in node_of]
@@ -130,38 +118,3 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
     return Captured(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, params, buffers, aliases, users,
                     dict(ep.constants),
                     [x if not isinstance(x, torch.Tensor) else (tuple(x.shape), x.dtype) for x in example_leaves])
-
-
-def decompose_bias_pass(gm):
-    """Split ``linear(x, W, b)`` into ``linear(x, W) + b`` and ``addmm(b, x, W)`` into ``mm(x, W) + b``.
-
-    Why: a row-parallel matmul yields a Partial sum, and the bias must be added once, after the
-    all-reduce (Megatron's RowParallelLinear). As a separate ``add`` the planner can place it there;
-    ``fuse_bias_pass`` folds it back wherever the placements allow (column-parallel and replicated).
-    """
-    aten = torch.ops.aten
-    g = gm.graph
-    for n in list(g.nodes):
-        if n.op != "call_function":
-            continue
-        if n.target is aten.linear.default and len(n.args) > 2 and n.args[2] is not None:
-            (x, w, b), matmul = n.args[:3], aten.linear.default
-        elif n.target is aten.addmm.default and not n.kwargs:
-            (b, x, w), matmul = n.args[:3], aten.mm.default
-        else:
-            continue
-        with g.inserting_after(n):
-            mm = g.call_function(matmul, (x, w))
-            mm.meta = {**n.meta, "val": _meta_like(n.meta["val"])}
-            with g.inserting_after(mm):
-                add = g.call_function(aten.add.Tensor, (mm, b))
-        n.replace_all_uses_with(add)
-        add.meta = dict(n.meta)
-        g.erase_node(n)
-    g.lint()
-    gm.recompile()
-    return gm
-
-
-def _meta_like(v):
-    return torch.empty(v.shape, dtype=v.dtype, device="meta")

@@ -3,9 +3,9 @@
 After the rewrite, ``f`` (identity forward, all-reduce backward) and the column-parallel matmul it feeds
 are two autograd nodes. The matmul's backward computes dX and dW together, so the all-reduce of dX
 cannot start before dW is done. Where ``f`` has a single matmul consumer (a fused ``c_attn``, fc1, the LM
-head; HF's ``reshape -> addmm`` too), this pass replaces the pair with ``ColumnParallelMatmul``, whose
-backward runs the all-reduce during dW. Measured on the benchmark's profile: ``CopyToTPBackward`` was
-326 ms of synchronous all-reduce over 18 calls at V=50304, TP=2. An ``f`` shared by separate q, k, v
+head; HF's ``reshape -> addmm`` too), this pass replaces the pair with one ``ir.ops.ColumnParallelMatmul``,
+whose backward runs the all-reduce during dW. Measured on the benchmark's profile: f's backward was 326 ms
+of synchronous all-reduce over 18 calls at V=50304, TP=2. An ``f`` shared by separate q, k, v
 projections stays as it is: their partial gradients must be summed before one all-reduce.
 """
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from autoshard.runtime import tp_modules as M
+from autoshard.ir import meta as M
+from autoshard.ir import ops
 
 aten = torch.ops.aten
 
@@ -35,10 +36,10 @@ def _matmul_use(node):
     return None
 
 
-def overlap_grad_allreduce_pass(gm: fx.GraphModule) -> fx.GraphModule:
+def overlap_grad_allreduce_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
     g = gm.graph
     for f in list(g.nodes):
-        if f.op != "call_module" or not isinstance(gm.get_submodule(f.target), M.CopyToTP):
+        if f.op != "call_module" or not isinstance(gm.get_submodule(f.target), ops.CopyToParallel):
             continue
         chain, node = [], f
         while len(node.users) == 1 and next(iter(node.users)).target in (aten.reshape.default, aten.view.default):
@@ -50,11 +51,12 @@ def overlap_grad_allreduce_pass(gm: fx.GraphModule) -> fx.GraphModule:
         mm, weight, bias, transposed = use
         fmod = gm.get_submodule(f.target)
         name = f.target.replace("f_", "column_matmul_")
-        gm.add_submodule(name, M.ColumnParallelMatmul(fmod.comm, fmod.shape, transposed))
+        gm.add_submodule(name, ops.ColumnParallelMatmul(fmod.axis, fmod.size, fmod.shape, transposed))
         f.replace_all_uses_with(f.args[0])  # the reshape chain now reads the un-f'd value
         with g.inserting_before(mm):
             fused = g.call_module(name, (node if chain else f.args[0], weight) + ((bias,) if bias is not None else ()))
         fused.meta = dict(mm.meta)
+        M.SOURCE.set(fused, M.SOURCE.get(f, None))
         mm.replace_all_uses_with(fused)
         g.erase_node(mm)
         g.erase_node(f)

@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autoshard.passes.shapes import map_shard_through_view, infer_view_shape, shape_of, val
-from autoshard.passes.spec import P, R, Partial, Placement, Replicate, Shard, shardable
+from autoshard.ir.mesh import MeshSpec
+from autoshard.ir.placement import P, R, Placement, Shard, shardable
+from autoshard.ir.redistribute import vocab_parallel_cross_entropy_steps
+from autoshard.passes.shapes import map_shard_through_view, shape_of, val
 
 aten = torch.ops.aten
 
@@ -28,15 +30,21 @@ class Strategy:
     out: Placement
     ins: tuple                    # one placement per node.all_input_nodes entry
     lowering: str | None = None   # a local implementation other than the op itself
-    comm: tuple = ()              # collectives inside the op: (kind, numel_expr_key) pairs
+    comm: tuple = ()              # collectives inside the op (ir.redistribute.CommStep)
     sharded: bool = False         # True when each rank computes 1/t of the op
 
 
 @dataclass
 class RuleContext:
-    t: int
+    """The mesh and the axis being planned (the rules see its size as ``t``)."""
+    mesh: MeshSpec
+    axis: str = "tp"
     hints: dict = field(default_factory=dict)      # node -> {(dim, blocks)} from fused-projection splits
     unruled: list = field(default_factory=list)    # nodes replicated because no rule knows their op
+
+    @property
+    def t(self) -> int:
+        return self.mesh.axis_size(self.axis)
 
 
 def _ins(node, mapping: dict):
@@ -390,7 +398,7 @@ def cross_entropy(node, ctx):
             n = shape_of(logits)[0]
             strategies.append(Strategy(R, _ins(node, {logits: Shard(1)}), sharded=True,
                                        lowering="vocab_parallel_cross_entropy",
-                                       comm=(("all_reduce", n), ("all_reduce", 2 * n))))
+                                       comm=tuple(vocab_parallel_cross_entropy_steps(ctx.axis, n))))
     return strategies
 
 
@@ -427,7 +435,7 @@ def strategies_for(node, ctx: RuleContext):
 
 
 # --- fused-projection hints ---------------------------------------------------------------------------
-def block_hints(gm, t):
+def block_hints(gm, t: int):
     """Find fused projections: a tensor split into k equal pieces along a dim wants ``Shard(dim, blocks=k)``.
 
     The hint is carried upstream through views and pointwise ops to the projection that made the tensor

@@ -1,8 +1,6 @@
 """Shape helpers shared by the sharding rules and the rewrite: how a view/reshape maps dims."""
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -14,18 +12,6 @@ def val(node):
 def shape_of(node):
     v = val(node)
     return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
-
-
-def is_tensor_node(node) -> bool:
-    return isinstance(val(node), torch.Tensor)
-
-
-def infer_view_shape(in_shape, sizes):
-    sizes = [int(s) for s in sizes]
-    if -1 in sizes:
-        known = math.prod(s for s in sizes if s != -1)
-        sizes[sizes.index(-1)] = math.prod(in_shape) // max(known, 1)
-    return tuple(sizes)
 
 
 def view_groups(in_shape, out_shape):

@@ -2,28 +2,29 @@
 
 Walks the planned graph once and builds a new one in which
 
-- every value has its *local* shape (``node.meta["local_shape"]``) and literal sizes say so
+- every value has its *local* shape (``meta.LOCAL_SHAPE``) and literal sizes say so
   (``view``/``reshape``/``expand`` sizes, ``split`` sizes of a blocked q|k|v shard);
-- wherever a consumer needs another placement than its producer gives, a ``Redistribute`` module
-  runs the collective (one per producer and target placement, shared by all consumers);
-- a replicated value entering ops whose output is sharded goes through one ``CopyToTP`` (Megatron's f),
-  so its gradient is all-reduced once however many column-parallel consumers it has (q, k and v);
-- the two vocab-parallel ops are lowered to their modules.
+- wherever a consumer needs another placement than its producer gives, an ``ir.ops.Redistribute``
+  record names the axis and the planned steps (one per producer and target placement, shared by all
+  consumers);
+- a replicated value entering ops whose output is sharded goes through one ``CopyToParallel`` (Megatron's
+  f), so its gradient is all-reduced once however many column-parallel consumers it has (q, k and v);
+- the two vocab-parallel ops are lowered to their records.
 
-The result is a per-rank program: rank-specific constants (vocab ranges) are baked in.
+The result is a per-rank program: rank-specific constants (vocab ranges) are baked in. Its parallel ops
+are data; the runtime binds them to process groups (``autoshard.runtime.bind``).
 """
 from __future__ import annotations
-
-import operator
 
 import torch
 import torch.fx as fx
 
+from autoshard.ir import meta as M
+from autoshard.ir import ops
+from autoshard.ir.placement import Replicate, Shard, local_shape, shard_range
 from autoshard.passes.plan import partial_grad_use
 from autoshard.passes.rules import VIEW_OPS, _split_sizes
 from autoshard.passes.shapes import shape_of, val
-from autoshard.passes.spec import Replicate, Shard, local_shape, local_size, shard_range
-from autoshard.runtime import tp_modules as M
 
 aten = torch.ops.aten
 
@@ -41,14 +42,15 @@ def _local_val(node, placement, t):
     return v
 
 
-def _vocab_range(n, comm):
+def _vocab_range(n, t, rank):
     """The vocab rows ``[start, start + valid)`` this rank holds of a padded vocab-sharded dim."""
-    (start, stop), = shard_range(n, comm.size, comm.rank)
+    (start, stop), = shard_range(n, t, rank)
     return start, stop - start
 
 
-def tp_rewrite_pass(gm: fx.GraphModule, comm) -> fx.GraphModule:
-    t = comm.size
+def tp_rewrite_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """A new, local graph for this rank (``ctx.mesh`` and ``ctx.coords`` say which); ``gm`` is untouched."""
+    t, rank = ctx.mesh.tp, ctx.coords["tp"]
     root = torch.nn.Module()
     g = fx.Graph()
     env, cache, counter = {}, {}, {}
@@ -64,30 +66,30 @@ def tp_rewrite_pass(gm: fx.GraphModule, comm) -> fx.GraphModule:
         """u's value in ``placement``, inserting (and caching) the collective that makes it."""
         if (u, placement) in cache:
             return cache[u, placement]
-        src = u.meta["placement"]
+        src = M.SPEC.get(u).tp
         if src == placement:
             return env[u]
         if not isinstance(val(u), torch.Tensor):
             raise AssertionError(f"internal error: plan moves list-valued {u.name} from {src!r} to {placement!r}")
-        name = add_module("redistribute", M.Redistribute(comm, src, placement, shape_of(u)))
+        grad = M.REQUIRES_GRAD.get(u, False)
+        name = add_module("redistribute", ops.Redistribute("tp", t, src, placement, shape_of(u), grad))
         node = g.call_module(name, (env[u],))
-        node.meta.update(placement=placement, local_shape=local_shape(shape_of(u), placement, t),
-                         requires_grad=u.meta.get("requires_grad", False),
-                         val=_local_val(u, placement, t), source=u.name)
+        node.meta["val"] = _local_val(u, placement, t)
+        _annotate(node, M.SPEC.get(u).with_axis("tp", placement), shape_of(u), t, grad, source=u.name)
         cache[u, placement] = node
         return node
 
     def with_f(u):
         if (u, "f") not in cache:
-            name = add_module("f", M.CopyToTP(comm, shape_of(u)))
+            name = add_module("f", ops.CopyToParallel("tp", t, shape_of(u)))
             node = g.call_module(name, (in_placement(u, Replicate()),))
-            node.meta.update(placement=Replicate(), local_shape=shape_of(u), val=_local_val(u, Replicate(), t),
-                             source=u.name)
+            node.meta["val"] = _local_val(u, Replicate(), t)
+            _annotate(node, M.SPEC.get(u).with_axis("tp", Replicate()), shape_of(u), t, True, source=u.name)
             cache[u, "f"] = node
         return cache[u, "f"]
 
     for n in gm.graph.nodes:
-        s = n.meta["tp_strategy"]
+        s = M.STRATEGY.get(n)
         if n.op == "placeholder":
             new = g.placeholder(n.name)
         elif n.op == "output":
@@ -96,24 +98,30 @@ def tp_rewrite_pass(gm: fx.GraphModule, comm) -> fx.GraphModule:
         else:
             mapping = {}
             for pos, u in enumerate(n.all_input_nodes):
-                if u.meta.get("requires_grad") and partial_grad_use(s, pos):
+                if M.REQUIRES_GRAD.get(u, False) and partial_grad_use(s, pos):
                     mapping[u] = with_f(u)
                 else:
                     mapping[u] = in_placement(u, s.ins[pos])
             args = fx.node.map_arg(n.args, lambda u: mapping[u])
             kwargs = fx.node.map_arg(n.kwargs, lambda u: mapping[u])
-            new = _lower(g, n, s, args, kwargs, comm, add_module)
+            new = _lower(g, n, s, args, kwargs, t, rank, add_module)
         if new.name != n.name:
             new._rename(n.name)
-        new.meta.update({k: v for k, v in n.meta.items() if k not in ("val",)})
+        new.meta.update({k: v for k, v in n.meta.items() if k != "val"})
         new.meta["val"] = _local_val(n, s.out, t)
-        v = val(n)
-        new.meta["local_shape"] = (local_shape(v.shape, s.out, t) if isinstance(v, torch.Tensor) else None)
-        new.meta["global_shape"] = shape_of(n)
+        M.GLOBAL_SHAPE.set(new, shape_of(n))
+        M.LOCAL_SHAPE.set(new, local_shape(shape_of(n), s.out, t) if shape_of(n) is not None else None)
         env[n] = new
     g.lint()
-    out = fx.GraphModule(root, g)
-    return out
+    return fx.GraphModule(root, g)
+
+
+def _annotate(node, spec, shape, t, grad, source):
+    M.SPEC.set(node, spec)
+    M.REQUIRES_GRAD.set(node, grad)
+    M.GLOBAL_SHAPE.set(node, tuple(shape))
+    M.LOCAL_SHAPE.set(node, local_shape(shape, spec.tp, t))
+    M.SOURCE.set(node, source)
 
 
 def _sole_reader(u):
@@ -127,20 +135,21 @@ def _sole_reader(u):
         u = u.args[0]
 
 
-def _lower(g, n, s, args, kwargs, comm, add_module):
-    t = comm.size
+def _lower(g, n, s, args, kwargs, t, rank, add_module):
     packet = getattr(n.target, "overloadpacket", None)
     if s.lowering == "vocab_parallel_embedding":
-        start, valid = _vocab_range(shape_of(n.args[0])[0], comm)
+        start, valid = _vocab_range(shape_of(n.args[0])[0], t, rank)
         pad = args[2] if len(args) > 2 else -1
         local_pad = pad - start if pad is not None and pad >= 0 and start <= pad < start + valid else None
-        name = add_module("vocab_embedding", M.VocabParallelEmbedding(start, valid, local_pad))
+        name = add_module("vocab_embedding", ops.VocabParallelEmbedding("tp", t, start, valid, local_pad))
         return g.call_module(name, args[:2])
     if s.lowering == "vocab_parallel_cross_entropy":
-        start, valid = _vocab_range(shape_of(n.args[0])[1], comm)
+        rows, vocab = shape_of(n.args[0])
+        start, valid = _vocab_range(vocab, t, rank)
         reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
         ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
-        mod = M.VocabParallelCrossEntropy(comm, start, valid, ignore, reduction, inplace=_sole_reader(n.args[0]))
+        mod = ops.VocabParallelCrossEntropy("tp", t, rows, start, valid, ignore, reduction,
+                                            inplace=_sole_reader(n.args[0]))
         name = add_module("vocab_cross_entropy", mod)
         return g.call_module(name, args[:2])
     if packet in VIEW_OPS:
@@ -156,63 +165,3 @@ def _lower(g, n, s, args, kwargs, comm, add_module):
             local = [x // t for x in sizes]
             args = (args[0], local[0] if packet is aten.split else local) + tuple(args[2:])
     return g.call_function(n.target, tuple(args), dict(kwargs))
-
-
-def fuse_bias_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """Fold ``add(linear(x, W), b)`` back into ``linear(x, W, b)`` (and ``mm`` + bias into ``addmm``).
-
-    Undoes ``decompose_bias_pass`` wherever the bias add stayed local to the matmul, i.e. everywhere but
-    after a row-parallel all-reduce: one fused kernel instead of a matmul plus an elementwise pass.
-    """
-    g = gm.graph
-    for n in list(g.nodes):
-        if n.op != "call_function" or n.target is not aten.add.Tensor or len(n.args) != 2 or n.kwargs:
-            continue  # (add with alpha scales the bias: not foldable)
-        mm, b = n.args
-        if not isinstance(mm, fx.Node) or not isinstance(b, fx.Node) or len(mm.users) != 1:
-            continue
-        if b.op != "placeholder" or len(b.meta.get("local_shape") or ()) != 1:
-            continue
-        if mm.target is aten.linear.default and len(mm.args) == 2:
-            with g.inserting_before(n):
-                fused = g.call_function(aten.linear.default, (mm.args[0], mm.args[1], b))
-        elif mm.target is aten.mm.default:
-            with g.inserting_before(n):
-                fused = g.call_function(aten.addmm.default, (b, mm.args[0], mm.args[1]))
-        else:
-            continue
-        fused.meta = dict(n.meta)
-        n.replace_all_uses_with(fused)
-        g.erase_node(n)
-        g.erase_node(mm)
-        fused.name = n.name
-    g.lint()
-    gm.recompile()
-    return gm
-
-
-def check_local_shapes_pass(gm: fx.GraphModule) -> fx.GraphModule:
-    """Run the local program on meta tensors and check every value's shape against the plan.
-
-    Catches a wrong literal size or a wrong collective in a compile-only run, before any process starts.
-    """
-    inputs = [_meta(n.meta["local_shape"], n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]
-
-    class Checker(fx.Interpreter):
-        def call_function(self, target, args, kwargs):
-            if "device" in kwargs:  # keep everything on meta (HF moves embeddings with .to(device))
-                kwargs = {**kwargs, "device": torch.device("meta")}
-            return super().call_function(target, args, kwargs)
-
-        def run_node(self, node):
-            out = super().run_node(node)
-            if isinstance(out, torch.Tensor) and not out.is_meta:  # creation ops (arange) default to cpu
-                out = out.to("meta")
-            want = node.meta.get("local_shape")
-            if isinstance(out, torch.Tensor) and want is not None and tuple(out.shape) != tuple(want):
-                raise AssertionError(f"local shape of {node.name} ({node.format_node()}) is {tuple(out.shape)}, "
-                                     f"the plan says {tuple(want)}")
-            return out
-
-    Checker(gm).run(*inputs)
-    return gm

@@ -7,7 +7,7 @@ rank's traceback.
 """
 from __future__ import annotations
 
-from autoshard.launch import RankError, launch
+from autoshard.launcher import RankError, launch
 
 __all__ = ["run_distributed"]
 

@@ -1,8 +1,9 @@
-"""Run every tensor-parallel rank's compiled program in threads of one process (forward and backward).
+"""Run every rank of a small mesh in threads of one process (forward and backward).
 
-A ``SimComm`` exchanges tensors through a shared barrier instead of a process group, so a test can
-check a sharding rule against eager PyTorch in milliseconds, on any tp, without gloo. The multi-process
-tests (test_parity.py) remain the ground truth for the real collectives.
+Each rank gets one ``SimComm`` per mesh axis; the ranks of a group (those that differ only in that
+axis's coordinate) exchange tensors through a shared barrier instead of a process group. A test can so
+check a sharding rule against eager PyTorch in milliseconds, on any mesh, without gloo. The
+multi-process tests (test_parity.py) remain the ground truth for the real collectives.
 """
 from __future__ import annotations
 
@@ -13,21 +14,23 @@ import torch
 import torch.distributed as dist
 
 import autoshard
-from autoshard.passes.spec import Shard
-from autoshard.runtime.collectives import TPComm, gather_full
+from autoshard.ir.mesh import AXES, MeshSpec
+from autoshard.runtime.comm import AxisComm
 from autoshard.runtime.module import ParallelModule
 
 
 class _Group:
-    def __init__(self, t):
-        self.barrier = threading.Barrier(t, timeout=20)
-        self.slots = [None] * t
+    def __init__(self, size):
+        self.barrier = threading.Barrier(size, timeout=20)
+        self.slots = [None] * size
 
 
-class SimComm(TPComm):
-    def __init__(self, size, rank, group_state):
-        super().__init__(size, rank, group=None)
-        self.state = group_state
+class SimComm(AxisComm):
+    """An ``AxisComm`` whose collectives are exchanges between threads."""
+
+    def __init__(self, axis, size, rank, state: _Group):
+        super().__init__(axis, size, rank, group=None)
+        self.state = state
 
     def _exchange(self, x):
         self.state.slots[self.rank] = x.detach().clone()
@@ -39,7 +42,7 @@ class SimComm(TPComm):
     def all_reduce(self, x, phase, op=dist.ReduceOp.SUM):
         if x.is_meta or self.size == 1:
             return x
-        self._log("all_reduce", x, phase)
+        self._log("all_reduce", x.numel(), x.element_size(), phase)
         parts = self._exchange(x)
         out = torch.stack(parts).amax(0) if op == dist.ReduceOp.MAX else sum(parts)
         return x.copy_(out)
@@ -51,14 +54,50 @@ class SimComm(TPComm):
     def all_gather(self, x, dim, phase):
         if self.size == 1 or x.is_meta:  # meta: the compile-time shape check
             return super().all_gather(x, dim, phase)
-        self._log("all_gather", x, phase)
+        self._log("all_gather", x.numel() * self.size, x.element_size(), phase)
         return torch.cat(self._exchange(x), dim)
 
     def reduce_scatter(self, x, dim, phase):
         if self.size == 1 or x.is_meta:
             return super().reduce_scatter(x, dim, phase)
-        self._log("reduce_scatter", x, phase)
+        self._log("reduce_scatter", x.numel(), x.element_size(), phase)
         return sum(self._exchange(x)).chunk(self.size, dim)[self.rank].contiguous()
+
+
+def sim_comms(mesh: MeshSpec) -> tuple:
+    """``([{axis: SimComm}] per global rank, [every group state])``."""
+    groups, per_rank = {}, []
+    for rank in range(mesh.size):
+        comms = {}
+        for axis in AXES:
+            members = tuple(mesh.group_ranks(rank, axis))
+            state = groups.setdefault((axis, members), _Group(len(members)))
+            comms[axis] = SimComm(axis, len(members), members.index(rank), state)
+        per_rank.append(comms)
+    return per_rank, list(groups.values())
+
+
+def run_ranks(mesh: MeshSpec, fn) -> list:
+    """Run ``fn(rank, comms)`` for every rank in its own thread; results by rank, or the root-cause error."""
+    comms, groups = sim_comms(mesh)
+    results, errors = [None] * mesh.size, []
+
+    def main(r):
+        try:
+            results[r] = fn(r, comms[r])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            for g in groups:
+                g.barrier.abort()
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(mesh.size)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:  # the root cause, not the other ranks' broken barriers
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    return results
 
 
 def simulate(model, t, args=(), kwargs=None, loss_fn=None, **options):
@@ -67,38 +106,20 @@ def simulate(model, t, args=(), kwargs=None, loss_fn=None, **options):
     ``loss_fn(output) -> scalar`` is backpropagated (default: the output itself, or its sum).
     """
     kwargs = kwargs or {}
-    state = _Group(t)
-    pms = []
-    for r in range(t):
-        comm = SimComm(t, r, state)
-        prog = autoshard.compile_rank(model, {"tp": t}, r, args, kwargs,
-                                      options=autoshard.CompileOptions(**options), comm=comm)
-        pms.append(ParallelModule(prog, model))
-    results, errors = [None] * t, []
+    mesh = MeshSpec(tp=t)
+    opts = autoshard.CompileOptions(**options)
+    programs = [autoshard.compile_rank(model, mesh, r, args, kwargs, options=opts) for r in range(mesh.size)]
 
-    def rank_main(r):
-        try:
-            a, kw = copy.deepcopy((args, kwargs))
-            out = pms[r](*a, **kw)
-            loss = loss_fn(out) if loss_fn else (out if out.dim() == 0 else out.sum())
-            loss.backward()
-            grads = {}
-            for name, p in pms[r].local_parameters().items():
-                g, pl = p.grad, pms[r].placements[name]
-                if g is not None and isinstance(pl, Shard):
-                    g = gather_full(g, pl.dim, pms[r]._full_shapes[name][pl.dim], pms[r].comm, pl.blocks, "test")
-                grads[name] = g
-            in_grads = [x.grad for x in torch.utils._pytree.tree_leaves((a, kw)) if isinstance(x, torch.Tensor)]
-            results[r] = (out, grads, in_grads)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-            state.barrier.abort()
+    def rank_main(r, comms):
+        pm = ParallelModule(programs[r], model, comms)
+        a, kw = copy.deepcopy((args, kwargs))
+        out = pm(*a, **kw)
+        loss = loss_fn(out) if loss_fn else (out if out.dim() == 0 else out.sum())
+        loss.backward()
+        grads = {name: (pm.gather(name, p.grad) if p.grad is not None else None)
+                 for name, p in pm.local_parameters().items()}
+        grads.update({alias: grads[main] for alias, main in pm.aliases.items()})  # tied names too
+        in_grads = [x.grad for x in torch.utils._pytree.tree_leaves((a, kw)) if isinstance(x, torch.Tensor)]
+        return out, grads, in_grads
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(t)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:  # the root cause, not the other ranks' broken barriers
-        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
-    return results
+    return run_ranks(mesh, rank_main)

@@ -6,7 +6,7 @@ import torch.nn as nn
 import autoshard
 from autoshard.passes.capture import CaptureError
 from autoshard.passes.plan import PlanError
-from autoshard.passes.spec import Shard
+from autoshard.ir.placement import Shard
 from tests.models import batch, build
 
 

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.passes.spec import Replicate, Shard
-from autoshard.runtime.collectives import gather_full
+from autoshard.ir.placement import Replicate
 from tests.distributed import run_distributed
 from tests.models import batch, build, loss_and_logits
 
@@ -58,11 +57,9 @@ def _check_variant(kind, cfg, tp, steps=5):
     # it against a thousandth of the model's largest gradient instead of against itself.
     floor = 1e-3 * max(float(p.grad.abs().max()) for p in ref.parameters())
     for name, p in pm.local_parameters().items():
-        placement, shape = pm.placements[name], ref_params[name].shape
-        g = p.grad
-        if isinstance(placement, Shard):
-            g = gather_full(g, placement.dim, shape[placement.dim], pm.comm, placement.blocks, "test")
-        errs[f"grad {name}"] = rel(g, ref_params[name].grad, floor)
+        errs[f"grad {name}"] = rel(pm.gather(name, p.grad), ref_params[name].grad, floor)
+    compared = set(pm.local_parameters()) | set(pm.aliases)
+    assert compared == set(ref_params), f"parameters compared {sorted(compared)} != the model's {sorted(ref_params)}"
 
     # Adam's first step is ~lr * sign(grad). A gradient that is analytically zero (the key bias: softmax
     # ignores it) is fp32 rounding noise whose sign differs between any two summation orders, so with the

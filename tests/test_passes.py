@@ -5,10 +5,14 @@ import pytest
 import torch
 
 import autoshard
-from autoshard.passes.capture import capture, decompose_bias_pass
+from autoshard.ir import meta as M
+from autoshard.ir.mesh import MeshSpec
+from autoshard.ir.placement import R, Shard, local_shape, shard_range
+from autoshard.passes.bias import decompose_bias_pass
+from autoshard.passes.capture import capture
+from autoshard.passes.manager import PassContext
 from autoshard.passes.plan import plan_pass
 from autoshard.passes.shapes import map_shard_through_view, view_groups
-from autoshard.passes.spec import P, R, Shard, local_shape, shard_range
 from tests.models import batch, build
 
 aten = torch.ops.aten
@@ -22,9 +26,8 @@ def planned(kind="gpt", t=2, **cfg):
     model = build(kind, **cfg)
     args, kwargs = batch(kind, cfg.get("vocab_size", 96 if kind == "gpt" else 101))
     gm = decompose_bias_pass(capture(model, args, kwargs).gm)
-    plan_pass(gm, t)
-    return {n.meta.get("autoshard_name"): n.meta["placement"] for n in gm.graph.nodes
-            if n.meta.get("autoshard_kind") == "parameter"}, gm
+    plan_pass(gm, PassContext(MeshSpec(tp=t), 0))
+    return {M.NAME.get(n): M.SPEC.get(n).tp for n in gm.graph.nodes if M.KIND.get(n, None) == "parameter"}, gm
 
 
 # --- spec and shape helpers ---------------------------------------------------------------------------
@@ -65,11 +68,11 @@ def test_plan_is_megatrons_on_fused_qkv_gpt():
     assert pl["transformer.h.0.attn.c_proj.bias"] == R                     # added once, after the all-reduce
     assert pl["lm_head.weight"] == Shard(0)                                # vocab-parallel (tied with wte)
     assert pl["transformer.h.0.ln_1.weight"] == R
-    lowerings = Counter(n.meta["tp_strategy"].lowering for n in gm.graph.nodes)
+    lowerings = Counter(M.STRATEGY.get(n).lowering for n in gm.graph.nodes)
     assert lowerings["vocab_parallel_embedding"] >= 1
     assert lowerings["vocab_parallel_cross_entropy"] == 1
     sdpa = next(n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
-    assert sdpa.meta["placement"] == Shard(1)                              # attention split by heads
+    assert M.SPEC.get(sdpa).tp == Shard(1)                                 # attention split by heads
 
 
 def test_plan_separate_qkv_and_untied_head():
@@ -93,7 +96,7 @@ def test_pin_overrides_the_planner():
     model = build("gpt", n_layer=1)
     prog = autoshard.compile_rank(model, {"tp": 2}, 0, *batch("gpt", 96),
                                   options=autoshard.CompileOptions(pins={"transformer.wpe.weight": R}))
-    assert dict((n, p) for n, p, *_ in prog.params)["transformer.wpe.weight"] == R
+    assert {p.name: p.spec.tp for p in prog.params}["transformer.wpe.weight"] == R
 
 
 # --- compile-only runs --------------------------------------------------------------------------------
@@ -104,13 +107,13 @@ def test_compile_only_first_and_last_rank(tp, tmp_path):
     cap = capture(model, args, {})
     for rank in (0, tp - 1):
         prog = autoshard.compile_rank(model, {"tp": tp}, rank, args, options=autoshard.CompileOptions(
-            dump=str(tmp_path)), captured=capture(model, args, {}))
-        for name, placement, shape, _ in prog.params:  # every weight matrix sharded, shapes local
-            if len(shape) == 2:
-                assert placement != R, name
-        assert prog.comm.size == tp and prog.comm.rank == rank
+            dump=str(tmp_path)), captured=cap)
+        for p in prog.params:  # every weight matrix sharded, shapes local
+            if len(p.global_shape) == 2:
+                assert p.spec.tp != R and p.local_shape != p.global_shape, p.name
+        assert prog.coords == {"dp": 0, "pp": 0, "tp": rank}
     assert (tmp_path / "plan.md").exists() and (tmp_path / f"rank{tp - 1}" / "plan.md").exists()
-    assert len(list(tmp_path.glob("0*_*.txt"))) == 8  # capture + seven passes, numbered
+    assert len(list(tmp_path.glob("0*_*.txt"))) == 9  # capture + eight passes, numbered
 
 
 def test_collectives_match_megatron_count():
@@ -120,10 +123,10 @@ def test_collectives_match_megatron_count():
     model = build("gpt", n_layer=4)
     prog = autoshard.compile_rank(model, {"tp": 2}, 0, *batch("gpt", 96),
                                   options=autoshard.CompileOptions(loss_only=True))
-    kinds = Counter((c["phase"], c["kind"]) for c in prog.collectives)
-    assert kinds == {("fwd", "all_reduce"): 2 * 4 + 1 + 2, ("bwd", "all_reduce"): 2 * 4 + 1}
+    kinds = Counter((c.axis, c.phase, c.kind) for c in prog.collectives)
+    assert kinds == {("tp", "fwd", "all_reduce"): 2 * 4 + 1 + 2, ("tp", "bwd", "all_reduce"): 2 * 4 + 1}
     B, T, h = 2, 8, 32
-    layer = [c for c in prog.collectives if tuple(c["shape"]) == (B, T, h)]
+    layer = [c for c in prog.collectives if tuple(c.shape) == (B, T, h)]
     assert len(layer) == 4 * 4 + 2
 
 
@@ -133,7 +136,7 @@ def test_dump_lists_formulas(tmp_path):
                            options=autoshard.CompileOptions(dump=str(tmp_path), loss_only=True))
     plan = (tmp_path / "plan.md").read_text()
     assert "`4*b*h*s`" in plan and "all_reduce" in plan and "Parameter bytes on this rank" in plan
-    graph = (tmp_path / "04_tp_rewrite.txt").read_text()
+    graph = (tmp_path / "05_tp_rewrite.txt").read_text()
     assert "redistribute_0" in graph and "S(0,b3)" in graph
 
 
@@ -142,14 +145,13 @@ def test_rewrite_fuse_bias_and_overlap_node_counts(fused):
     """Per layer: fused q|k|v and fc1 each get f fused into a ColumnParallelMatmul (the gradient
     all-reduce overlaps dW); separate q, k, v share one plain f. Row-parallel biases stay a separate add
     after the all-reduce; every other bias is folded back into its linear."""
-    from autoshard.runtime import tp_modules as M
     L = 2
     model = build("gpt", n_layer=L, fused_qkv=fused)
     prog = autoshard.compile_rank(model, {"tp": 2}, 0, *batch("gpt", 96),
                                   options=autoshard.CompileOptions(loss_only=True))
     mods = Counter(type(prog.gm.get_submodule(n.target)).__name__ for n in prog.gm.graph.nodes if n.op == "call_module")
     assert mods["ColumnParallelMatmul"] == (2 if fused else 1) * L + 1   # + the LM head
-    assert mods["CopyToTP"] == (0 if fused else L)
+    assert mods["CopyToParallel"] == (0 if fused else L)
     assert mods["Redistribute"] == 2 * L + 1                              # g after each row matmul, embedding
     ops = count_ops(prog.gm)
     assert ops["aten.add.Tensor"] == 2 * L + 2 * L + 1                    # row biases, residuals, embeddings

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard.models import GPT, GPTConfig
-from autoshard.passes.dump import comm_summary
+from autoshard.ir.program import comm_summary
 from tests.distributed import run_distributed
 from tests.models import batch, build
 
@@ -32,11 +32,12 @@ def _runtime(rank, world):
     out["loss_only: loss"] = rel(loss.detach(), rloss.detach())
 
     # the tracer counts what the plan says, call for call and byte for byte
-    pm.comm.reset()
+    pm.reset_comm_counts()
     pm(*args)[1].backward()
     planned_calls, planned_bytes = comm_summary(pm.program.collectives)
-    out["tracer calls"] = (dict(pm.comm.calls), planned_calls)
-    out["tracer bytes"] = (dict(pm.comm.bytes), planned_bytes)
+    calls, nbytes = pm.comm_counts()
+    out["tracer calls"] = (dict(calls), planned_calls)
+    out["tracer bytes"] = (dict(nbytes), planned_bytes)
 
     # full state dict -> the single-device model, strict, tied names included
     for p in pm.parameters():
@@ -61,6 +62,20 @@ def _runtime(rank, world):
     pm_meta.load_full_state_dict(ref.state_dict())
     out["meta model"] = rel(pm_meta(*args)[1].detach(), rloss.detach())
 
+    # ranks that disagree are told so, on every rank, before any training collective runs
+    torch.manual_seed(rank)  # a forgotten common seed: each rank draws other weights
+    try:
+        autoshard.parallelize(GPT(GPTConfig(n_layer=1, n_head=4, n_embd=32, block_size=16)), mesh, example_args=args)
+        out["unseeded"] = None
+    except RuntimeError as e:
+        out["unseeded"] = str(e)
+    other_args = tuple(a[:, :4].contiguous() for a in args) if rank == 1 else args  # another shape on rank 1
+    try:
+        autoshard.parallelize(build("gpt"), mesh, example_args=other_args)
+        out["other plan"] = None
+    except RuntimeError as e:
+        out["other plan"] = str(e)
+
     # a mesh that does not cover the world fails before any collective
     try:
         autoshard.init_mesh(tp=4)
@@ -81,6 +96,8 @@ def test_runtime_features():
         measured, planned = out["tracer bytes"]
         assert measured == planned
         assert "world has 2" in out["mesh mismatch"] and "tp=4" in out["mesh mismatch"]
+        assert "weights differ between tensor-parallel ranks" in out["unseeded"], out["unseeded"]
+        assert "compiled different plans" in out["other plan"], out["other plan"]
 
 
 def _hang(rank, world):

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from autoshard.passes.plan import PlanError
-from autoshard.passes.spec import Shard
+from autoshard.ir.placement import Shard
 from tests.models import batch, build
 from tests.simulate import simulate
 
@@ -100,11 +100,16 @@ def assert_same(model, args, t, loss_fn=None, **options):
         o = loss_fn(o) if loss_fn else o
         torch.testing.assert_close(o, loss_fn(out) if loss_fn else out, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"rank {rank} output: {m}")
+        # every parameter (tied names included) is compared: none may be missing on either side
+        assert set(g) == set(grads), f"rank {rank}: gradients {sorted(set(g) ^ set(grads))} on one side only"
         for name, ref_g in grads.items():
-            if name in g and ref_g is not None:
+            assert (g[name] is None) == (ref_g is None), f"rank {rank} grad {name}: one side has none"
+            if ref_g is not None:
                 torch.testing.assert_close(g[name], ref_g, rtol=1e-4, atol=1e-6,
                                            msg=lambda m: f"rank {rank} grad {name}: {m}")
+        assert len(ig) == len(in_grads)
         for a, b in zip(ig, in_grads):
+            assert (a is None) == (b is None), f"rank {rank}: an input gradient exists on one side only"
             if b is not None:
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank} input grad: {m}")
 
@@ -120,10 +125,11 @@ def test_sdpa_on_3d_inputs_keeps_the_sequence_whole():
     assert_same(Attention3d(), (torch.randn(2, 16, 32),), 2)
     # and at the rule level, whatever the costs: no strategy may shard the sequence dim of (B, L, E)
     from autoshard.passes.capture import capture
+    from autoshard.ir.mesh import MeshSpec
     from autoshard.passes.rules import RuleContext, strategies_for
     gm = capture(Attention3d(), (torch.randn(2, 16, 32),)).gm
     node = next(n for n in gm.graph.nodes if "scaled_dot_product" in str(n.target))
-    outs = {s.out for s in strategies_for(node, RuleContext(2))}
+    outs = {s.out for s in strategies_for(node, RuleContext(MeshSpec(tp=2)))}
     assert all(getattr(p, "dim", 0) == 0 for p in outs), outs
 
 

@@ -1,7 +1,7 @@
 """A plain, single-device GPT in the style of nanoGPT.
 
 Nothing here knows about parallelism: it is the *input* of the compiler. The config switches cover
-the layouts the shard planner must handle correctly (see DESIGN.md, "the hard cases"):
+the layouts the shard planner must handle correctly (docs/architecture.md lists them):
 
 - ``fused_qkv``: one ``c_attn`` Linear of width 3h followed by ``split`` (q, k, v must each be split by
   heads, so the weight is sharded per block), or three separate Linears;

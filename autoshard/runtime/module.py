@@ -11,8 +11,12 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autoshard.passes.spec import Replicate, Shard
-from autoshard.runtime.collectives import gather_full, take_shard
+from autoshard.ir import meta as M
+from autoshard.ir.placement import Shard
+from autoshard.ir.program import Program
+from autoshard.runtime.bind import bind
+from autoshard.runtime.comm import AxisComm, Tracer
+from autoshard.runtime.layout import gather_full, take_shard
 
 
 def _key(name):
@@ -24,24 +28,29 @@ class ParallelModule(nn.Module):
 
     ``forward`` takes the same inputs as the original model and returns the same structure.
     ``full_state_dict()`` gathers the original names and full shapes; ``load_full_state_dict`` slices.
+    ``comms`` maps each mesh axis to this rank's ``AxisComm`` (``None``: single-rank communicators, for
+    compile-only programs of a one-rank mesh).
     """
 
-    def __init__(self, program, model: nn.Module):
+    def __init__(self, program: Program, model: nn.Module, comms: dict | None = None):
         super().__init__()
         self.program = program
-        self.comm = program.comm
-        self.graph = program.gm
+        coords = program.coords
+        self.comms = comms if comms is not None else {
+            a: AxisComm(a, program.mesh.axis_size(a), coords[a]) for a in coords}
+        for a, c in self.comms.items():
+            if (c.size, c.rank) != (program.mesh.axis_size(a), coords[a]):
+                raise ValueError(f"communicator for axis '{a}' is rank {c.rank} of {c.size}, but the program was "
+                                 f"compiled for rank {coords[a]} of {program.mesh.axis_size(a)}")
+        self.graph = bind(program.gm, self.comms)
         self.shards = nn.ParameterDict()
-        self.placements = {}
-        self._full_shapes = {}
+        self.records = {r.name: r for r in program.params}
         full = dict(model.named_parameters(remove_duplicate=False))  # tied names too
-        for name, placement, shape, dtype in program.params:
-            p = full[name]
-            local = self._materialize(model, name, p) if p.is_meta else p.detach()
-            local = self._slice(local, placement, shape)
-            self.shards[_key(name)] = nn.Parameter(local.clone().contiguous(), requires_grad=p.requires_grad)
-            self.placements[name] = placement
-            self._full_shapes[name] = shape
+        for r in program.params:
+            p = full[r.name]
+            local = self._materialize(model, r.name, p) if p.is_meta else p.detach()
+            self.shards[_key(r.name)] = nn.Parameter(self._slice(local, r).clone().contiguous(),
+                                                     requires_grad=p.requires_grad)
         self.aliases = dict(program.captured.aliases)
         self._buffer_names = list(program.captured.buffer_names)
         named_buffers = dict(model.named_buffers())
@@ -53,8 +62,27 @@ class ParallelModule(nn.Module):
             self.register_buffer(_key(name), b.detach().clone())
         sd_keys = set(model.state_dict().keys())
         self._persistent_buffers = [b for b in self._buffer_names if b in sd_keys]
-        if self.comm.group is not None:
+        if self.comms["tp"].group is not None:
             self._check_ranks_agree(model)
+
+    @property
+    def tp(self) -> AxisComm:
+        return self.comms["tp"]
+
+    def tracers(self) -> list:
+        return [c.tracer for c in self.comms.values()]
+
+    def comm_counts(self):
+        """Calls and bytes run since the last ``reset_comm_counts``, by (axis, phase, kind)."""
+        total = Tracer()
+        for t in self.tracers():
+            total.calls.update(t.calls)
+            total.bytes.update(t.bytes)
+        return total.calls, total.bytes
+
+    def reset_comm_counts(self):
+        for t in self.tracers():
+            t.reset()
 
     def _check_ranks_agree(self, model):
         """All ranks must run the same plan on the same weights; say so (on every rank) if they do not.
@@ -62,14 +90,16 @@ class ParallelModule(nn.Module):
         One small all-gather at set-up: a rank with another plan would run other collectives (a hang or
         wrong numbers), and weights drawn without a common seed would be shards of different models.
         """
-        plan = hashlib.sha1(repr([(n.name, n.meta.get("placement")) for n in self.graph.graph.nodes]).encode())
+        plan = hashlib.sha1(repr([(n.name, M.SPEC.get(n, None), M.LOCAL_SHAPE.get(n, None))
+                                  for n in self.program.gm.graph.nodes]).encode())
         weights = hashlib.sha1()
         for name, p in model.named_parameters():
             if not p.is_meta:
                 weights.update(f"{name}:{float(p.detach().double().sum()):.10e}".encode())
         mine = (plan.hexdigest(), weights.hexdigest())
-        every = [None] * dist.get_world_size(self.comm.group)
-        dist.all_gather_object(every, mine, group=self.comm.group)
+        group = self.tp.group
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
         if len({e[0] for e in every}) > 1:
             raise RuntimeError("tensor-parallel ranks compiled different plans (different example inputs, "
                                "models or autoshard versions?): every rank must call parallelize identically")
@@ -78,10 +108,20 @@ class ParallelModule(nn.Module):
                                "same (torch.manual_seed) before building the model, or load one checkpoint")
 
     # --- shards ---------------------------------------------------------------------------------------
-    def _slice(self, full, placement, shape):
-        if isinstance(placement, Shard):
-            return take_shard(full, placement.dim, shape[placement.dim], self.comm, placement.blocks)
+    def _slice(self, full, record):
+        pl = record.spec.tp
+        if isinstance(pl, Shard):
+            return take_shard(full, pl.dim, record.global_shape[pl.dim], self.tp.size, self.tp.rank, pl.blocks)
         return full
+
+    def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor of which ``local`` is this rank's shard of parameter ``name`` (a collective when
+        the parameter is sharded: every rank must call it). Works for gradients too."""
+        record = self.records[name]
+        pl = record.spec.tp
+        if isinstance(pl, Shard):
+            return gather_full(local, pl.dim, record.global_shape[pl.dim], self.tp, pl.blocks, "gather")
+        return local
 
     @staticmethod
     def _materialize(model, name, p):
@@ -106,15 +146,16 @@ class ParallelModule(nn.Module):
 
     def local_parameters(self):
         """``{original name: local shard}``."""
-        return {name: self.shards[_key(name)] for name, *_ in self.program.params}
+        return {r.name: self.shards[_key(r.name)] for r in self.program.params}
 
     # --- forward ----------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        captured = self.program.captured
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        if spec != self.program.captured.in_spec:
+        if spec != captured.in_spec:
             raise TypeError(f"inputs do not match the example inputs the model was compiled with: got structure "
-                            f"{spec}, compiled for {self.program.captured.in_spec}; pass the same arguments")
-        for i, (x, ex) in enumerate(zip(leaves, self.program.captured.example_leaves)):
+                            f"{spec}, compiled for {captured.in_spec}; pass the same arguments")
+        for i, (x, ex) in enumerate(zip(leaves, captured.example_leaves)):
             if isinstance(x, torch.Tensor) != isinstance(ex, tuple) or (
                     isinstance(x, torch.Tensor) and (tuple(x.shape), x.dtype) != ex):
                 got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
@@ -124,21 +165,18 @@ class ParallelModule(nn.Module):
                 raise ValueError(f"input {i} is {x!r}, but {ex!r} was compiled into the program: non-tensor "
                                  "arguments are constants of the trace; parallelize again to change them")
         user = [x for x in leaves if isinstance(x, torch.Tensor)]  # export keeps only tensor leaves as inputs
-        params = [self.shards[_key(n)] for n, *_ in self.program.params]
+        params = [self.shards[_key(r.name)] for r in self.program.params]
         buffers = [getattr(self, _key(b)) for b in self._buffer_names]
         flat = self.graph(*params, *buffers, *user)
-        return pytree.tree_unflatten(list(flat), self.program.captured.out_spec)
+        return pytree.tree_unflatten(list(flat), captured.out_spec)
 
     # --- full state dicts -------------------------------------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self):
         """Original names and full shapes (tied names included), loadable by the single-device model."""
         out = {}
-        for name, placement, shape, _ in self.program.params:
-            local = self.shards[_key(name)].detach()
-            if isinstance(placement, Shard):
-                local = gather_full(local, placement.dim, shape[placement.dim], self.comm, placement.blocks, "ckpt")
-            out[name] = local.clone()
+        for r in self.program.params:
+            out[r.name] = self.gather(r.name, self.shards[_key(r.name)].detach()).clone()
         for alias, main in self.aliases.items():
             out[alias] = out[main]
         for b in self._persistent_buffers:
@@ -147,16 +185,18 @@ class ParallelModule(nn.Module):
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict, strict: bool = True):
-        missing = [n for n, *_ in self.program.params if n not in state_dict]
+        missing = [r.name for r in self.program.params if r.name not in state_dict]
         if strict and missing:
-            raise KeyError(f"state dict lacks parameters {missing}")
-        for name, placement, shape, _ in self.program.params:
-            if name not in state_dict:
+            raise ValueError(f"the state dict lacks parameters {missing}: pass strict=False to load the rest")
+        for r in self.program.params:
+            if r.name not in state_dict:
                 continue
-            full = state_dict[name]
-            if tuple(full.shape) != tuple(shape):
-                raise ValueError(f"'{name}': state dict has shape {tuple(full.shape)}, the model {tuple(shape)}")
-            self.shards[_key(name)].copy_(self._slice(full.to(self.shards[_key(name)].dtype), placement, shape))
+            full = state_dict[r.name]
+            if tuple(full.shape) != tuple(r.global_shape):
+                raise ValueError(f"'{r.name}': state dict has shape {tuple(full.shape)}, the model "
+                                 f"{tuple(r.global_shape)}")
+            shard = self.shards[_key(r.name)]
+            shard.copy_(self._slice(full.to(shard.dtype), r))
         for b in self._persistent_buffers:
             if b in state_dict:
                 getattr(self, _key(b)).copy_(state_dict[b])

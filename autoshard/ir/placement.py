@@ -1,25 +1,31 @@
-"""Sharding specs: the placement vocabulary of DTensor, plus the two facts it leaves implicit.
+"""Placements: DTensor's vocabulary, one placement per mesh axis, plus the two facts DTensor leaves implicit.
 
-A tensor's spec has one placement per mesh axis. On the tensor-parallel axis a placement is one of
+On one mesh axis of size t a tensor is
 
 - ``Replicate()``: every rank holds the whole tensor (and, by our invariant, the whole gradient);
 - ``Shard(dim)``: rank r holds the r-th of t equal chunks of ``dim``;
 - ``Shard(dim, blocks=k)``: ``dim`` is k equal blocks side by side (the q|k|v of a fused projection) and
-  rank r holds the r-th chunk *of every block* — DTensor's ``_StridedShard``. Cutting a fused ``c_attn``
+  rank r holds the r-th chunk *of every block*, DTensor's ``_StridedShard``. Cutting a fused ``c_attn``
   in one contiguous chunk would give rank 0 all of q and half of k: the classic silent wrong result;
 - ``Partial()``: every rank holds a summand; the tensor is their sum (a row-parallel matmul's output).
 
-A dim that is not divisible by t may still be sharded where the consumer can mask the tail (the vocab
-dim of embedding and LM head): the local chunk is ``ceil(n / t)`` long and the last rank's tail is
-padding (see ``local_size``).
+A dim that t does not divide may still be sharded where the consumer can mask the tail (the vocab dim of
+embedding and LM head): the local chunk is ``ceil(n / t)`` long and the last rank's tail is padding.
+
+A tensor's ``DistSpec`` holds one placement per mesh axis (``dp``, ``pp``, ``tp``), as a DTensor's
+``placements`` does. Graph shapes are per data-parallel replica (each dp rank traces its own batch), so
+only the ``tp`` placement changes a local shape; ``dp``'s ``Shard(0)`` records that the global batch is
+``dp`` of these, and ``pp`` is ``Replicate`` (stages own whole tensors).
 
 Gradient invariant (what makes the inserted collectives Megatron's f and g): the gradient of a tensor has
 the same placement as the tensor, except that a ``Partial`` tensor's gradient is replicated.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Union
+
+from autoshard.ir.mesh import AXES
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,28 @@ R = Replicate()
 P = Partial()
 
 
+@dataclass(frozen=True)
+class DistSpec:
+    """One placement per mesh axis, in ``AXES`` order: ``DistSpec(dp=Shard(0), tp=Shard(2))``."""
+    dp: Placement = R
+    pp: Placement = R
+    tp: Placement = R
+
+    def on(self, axis: str) -> Placement:
+        return getattr(self, axis)
+
+    def with_axis(self, axis: str, placement: Placement) -> "DistSpec":
+        return replace(self, **{axis: placement})
+
+    @property
+    def placements(self) -> tuple:
+        return tuple(self.on(a) for a in AXES)
+
+    def __repr__(self):
+        shown = [f"{a}={self.on(a)!r}" for a in AXES if self.on(a) != R]
+        return "(" + ", ".join(shown) + ")" if shown else "R"
+
+
 def local_size(n: int, t: int, blocks: int = 1) -> int:
     """Local length of a dim of global length ``n`` sharded t ways (padded up when t does not divide)."""
     if blocks > 1:
@@ -56,15 +84,11 @@ def local_size(n: int, t: int, blocks: int = 1) -> int:
 
 
 def local_shape(shape, placement: Placement, t: int):
-    """The local shape of a tensor of global ``shape`` under one tensor-parallel placement."""
+    """The local shape of a tensor of global ``shape`` under one placement on an axis of size t."""
     shape = list(shape)
     if isinstance(placement, Shard):
         shape[placement.dim] = local_size(shape[placement.dim], t, placement.blocks)
     return tuple(shape)
-
-
-def is_padded(shape, placement: Placement, t: int) -> bool:
-    return isinstance(placement, Shard) and placement.blocks == 1 and shape[placement.dim] % t != 0
 
 
 def shard_range(n: int, t: int, rank: int, blocks: int = 1):

@@ -1,0 +1,133 @@
+"""The parallel ops a compiled graph calls: data, not runtime objects.
+
+The tensor-parallel rewrite inserts each collective (and the two vocab-parallel lowerings) as a
+``call_module`` node whose module is one of these records. A record names the mesh axis it communicates
+on and holds its static arguments; its ``forward`` only computes shapes on ``meta`` tensors (what the
+``validate`` pass runs). The runtime binds each record to the communicator of its axis when a program is
+instantiated (``autoshard.runtime.bind``), so no process group exists while compiling.
+
+``steps()`` lists the collectives the op runs per step: the one list the dump prints, the program
+records, and the runtime's tracer is checked against.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autoshard.ir.placement import Placement, local_shape
+from autoshard.ir.redistribute import (copy_to_parallel_steps, plan_redistribute, redistribute_steps,
+                                       vocab_parallel_cross_entropy_steps)
+
+
+class NotBoundError(RuntimeError):
+    """A compiled program ran on real tensors before the runtime bound its collectives."""
+
+
+class ParallelOp(nn.Module):
+    """Base of the graph's parallel ops: ``axis`` and ``size`` of the mesh axis it works on."""
+
+    def __init__(self, axis: str, size: int):
+        super().__init__()
+        self.axis, self.size = axis, size
+
+    def forward(self, *args):
+        if not all(a.is_meta for a in args if isinstance(a, torch.Tensor)):
+            raise NotBoundError(f"{type(self).__name__} ran on real tensors in an unbound program: instantiate it "
+                                "with autoshard.runtime.ParallelModule (which binds the process groups)")
+        return self.meta_forward(*args)
+
+    def meta_forward(self, *args):
+        raise NotImplementedError
+
+    def steps(self) -> list:
+        return []
+
+
+class Redistribute(ParallelOp):
+    """Move a tensor of global ``shape`` from ``src`` to ``dst`` on ``axis``: the planned ``transforms``."""
+
+    def __init__(self, axis, size, src: Placement, dst: Placement, shape, requires_grad: bool):
+        super().__init__(axis, size)
+        self.src, self.dst, self.shape, self.requires_grad = src, dst, tuple(shape), requires_grad
+        self.transforms = plan_redistribute(src, dst, self.shape, axis, size)
+
+    def meta_forward(self, x):
+        return x.new_empty(local_shape(self.shape, self.dst, self.size))
+
+    def steps(self):
+        return redistribute_steps(self.transforms, self.requires_grad, self.shape, f"{self.src!r} -> {self.dst!r}")
+
+    def extra_repr(self):
+        return f"{self.src!r} -> {self.dst!r} on {self.axis}, global shape {self.shape}: {list(self.transforms)}"
+
+
+class CopyToParallel(ParallelOp):
+    """Megatron's f: identity forward, all-reduce of the gradient backward."""
+
+    def __init__(self, axis, size, shape):
+        super().__init__(axis, size)
+        self.shape = tuple(shape)
+
+    def meta_forward(self, x):
+        return x
+
+    def steps(self):
+        return copy_to_parallel_steps(self.axis, self.shape)
+
+    def extra_repr(self):
+        return f"f on {self.axis}: all-reduce of the gradient, global shape {self.shape}"
+
+
+class ColumnParallelMatmul(ParallelOp):
+    """f fused into the column-parallel matmul it feeds, so the gradient all-reduce overlaps dW.
+    ``y = x W^T + b``, with ``W`` stored ``(out, in)``, or ``(in, out)`` when ``transposed`` (HF Conv1D)."""
+
+    def __init__(self, axis, size, shape, transposed: bool):
+        super().__init__(axis, size)
+        self.shape, self.transposed = tuple(shape), transposed
+
+    def meta_forward(self, x, weight, bias=None):
+        return F.linear(x, weight.t() if self.transposed else weight, bias)
+
+    def steps(self):
+        return [replace(s, what=s.what + ", overlapped with dW") for s in copy_to_parallel_steps(self.axis, self.shape)]
+
+    def extra_repr(self):
+        return f"f fused on {self.axis}: async all-reduce of the input gradient (global shape {self.shape}) overlaps dW"
+
+
+class VocabParallelEmbedding(ParallelOp):
+    """Look up the rows ``[start, start + valid)`` this rank holds; zeros elsewhere (a Partial sum)."""
+
+    def __init__(self, axis, size, start: int, valid: int, padding_idx=None):
+        super().__init__(axis, size)
+        self.start, self.valid, self.padding_idx = start, valid, padding_idx
+
+    def meta_forward(self, weight, idx):
+        return weight.new_empty(tuple(idx.shape) + (weight.shape[1],))
+
+    def extra_repr(self):
+        return f"rows [{self.start}, {self.start + self.valid}) on {self.axis}"
+
+
+class VocabParallelCrossEntropy(ParallelOp):
+    """Cross-entropy of ``rows`` logits sharded by vocab on ``axis``; never gathers the logits."""
+
+    def __init__(self, axis, size, rows: int, start: int, valid: int, ignore_index=-100, reduction=1,
+                 inplace=False):
+        super().__init__(axis, size)
+        self.rows, self.start, self.valid = rows, start, valid
+        self.ignore_index, self.reduction, self.inplace = ignore_index, reduction, inplace
+
+    def meta_forward(self, logits, target):
+        return logits.new_empty(() if self.reduction != 0 else target.shape)
+
+    def steps(self):
+        return vocab_parallel_cross_entropy_steps(self.axis, self.rows)
+
+    def extra_repr(self):
+        return (f"vocab [{self.start}, {self.start + self.valid}) on {self.axis}, reduction={self.reduction}"
+                + (", in place on the logits" if self.inplace else ""))

@@ -1,0 +1,54 @@
+"""Every switch autoshard reads, in one place (docs/architecture.md and the README have the same table).
+
+| variable / option     | meaning                                                             |
+|-----------------------|---------------------------------------------------------------------|
+| ``AUTOSHARD_DUMP``    | directory for pass dumps and ``plan.md`` (same as ``dump=``)        |
+| ``AUTOSHARD_TIMEOUT`` | seconds before a collective gives up (process-group timeout), 300   |
+| ``CompileOptions``    | the one typed options object ``parallelize`` builds and passes see  |
+| ``CostModel``         | machine constants the planner prices plans with                     |
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+def dump_dir(explicit: str | None) -> str | None:
+    return explicit or os.environ.get("AUTOSHARD_DUMP") or None
+
+
+def pg_timeout_seconds() -> float:
+    return float(os.environ.get("AUTOSHARD_TIMEOUT", "300"))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Machine constants the planner prices plans with. Defaults: one NVLink-class link, one GPU."""
+    bandwidth: float = 100e9          # bytes/s a rank sends in a ring step
+    latency: float = 10e-6            # s per collective launch
+    flops: float = 100e12             # flop/s of one rank
+    # Tensor parallelism exists to shard weights: a replicated weight matrix (ndim >= 2) also replicates
+    # its gradient and optimizer state, for the whole run. Priced as if its bytes crossed the link this
+    # many times per step -- in effect a hard constraint: a weight is replicated only when no exact
+    # sharded strategy exists (and plan.md says so).
+    replicated_weight_factor: float = 1e6
+    # Making a tensor replicated by communication (all-gather of a shard, all-reduce of partial sums)
+    # materialises a full-size copy on every rank that lives until backward. For the logits that is
+    # b*s*V floats, the largest activation of a GPT. Priced per byte on top of the traffic: this is why
+    # the loss stays vocab-parallel instead of gathering or all-reducing the logits. Every sub-layer's
+    # residual needs one such replica in any plan, so the penalty does not distort the block layout.
+    replicate_memory_factor: float = 1000.0
+
+
+@dataclass
+class CompileOptions:
+    """What ``parallelize`` was asked for; the passes read this object, nothing copies it."""
+    pins: dict = field(default_factory=dict)          # parameter name -> Placement on tp
+    loss_only: bool = False                           # return None for non-scalar outputs
+    cost_model: CostModel = field(default_factory=CostModel)
+    disable: tuple = ()                               # pass names to skip (bisecting)
+    dump: str | None = None                           # directory for pass dumps (or AUTOSHARD_DUMP)
+
+    def __post_init__(self):
+        self.pins = dict(self.pins or {})
+        self.disable = tuple(self.disable or ())

@@ -1,0 +1,125 @@
+"""A placement change, planned once as a list of steps that the cost model prices, the dump prints and
+the runtime executes (DTensor's ``_gen_transform_infos``, on one mesh axis at a time).
+
+A ``Transform`` is one forward step with a known backward. Its collectives follow from the gradient
+invariant in ``placement.py``:
+
+| transform        | forward                       | backward (when the value needs a gradient) |
+|------------------|-------------------------------|--------------------------------------------|
+| ``all_reduce``   | P -> R: all-reduce (Megatron g)| identity                                  |
+| ``reduce_scatter``| P -> S, even: reduce-scatter | all-gather                                 |
+| ``all_gather``   | S -> R: all-gather            | take this rank's chunk (no communication)  |
+| ``shard``        | R -> S: take this rank's chunk| all-gather                                 |
+| ``to_partial``   | R -> P: rank 0 keeps the value, the others zeros | identity                |
+
+``plan_redistribute`` composes them (S -> S' is gather then shard). ``CommStep`` is one collective one
+rank runs per step, the record every consumer of the plan reads.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import sympy
+
+from autoshard.ir.placement import Partial, Placement, Replicate, Shard
+
+FWD, BWD = "fwd", "bwd"
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+_FWD_COLLECTIVE = {"all_reduce": "all_reduce", "reduce_scatter": "reduce_scatter", "all_gather": "all_gather"}
+_BWD_COLLECTIVE = {"reduce_scatter": "all_gather", "shard": "all_gather"}
+
+
+@dataclass(frozen=True)
+class Transform:
+    """One forward step of a redistribution on ``axis``. ``dim``/``length``/``blocks`` describe the sharded
+    dim it gathers or cuts (``length`` is the dim's global size, so padded and blocked shards are exact)."""
+    kind: str                 # all_reduce | reduce_scatter | all_gather | shard | to_partial
+    axis: str
+    dim: int | None = None
+    length: int | None = None
+    blocks: int = 1
+
+    def collectives(self, requires_grad: bool) -> list:
+        """``[(phase, collective kind)]`` this step runs, forward then backward."""
+        out = []
+        if self.kind in _FWD_COLLECTIVE:
+            out.append((FWD, _FWD_COLLECTIVE[self.kind]))
+        if requires_grad and self.kind in _BWD_COLLECTIVE:
+            out.append((BWD, _BWD_COLLECTIVE[self.kind]))
+        return out
+
+    def __repr__(self):
+        where = "" if self.dim is None else f"(dim {self.dim}" + (f", {self.blocks} blocks" if self.blocks > 1 else "") + ")"
+        return f"{self.kind}{where}@{self.axis}"
+
+
+@dataclass(frozen=True)
+class CommStep:
+    """One collective per step: on ``axis``, in ``phase``, of a tensor of ``shape`` (its full size)."""
+    phase: str
+    kind: str
+    axis: str
+    shape: tuple
+    what: str
+    itemsize: int | None = None   # bytes per element when not the moved tensor's (the loss's fp32 stats)
+    stacked: int = 1              # tensors of ``shape`` sent stacked in this one call
+
+    @property
+    def numel(self) -> int:
+        return self.stacked * math.prod(self.shape)
+
+
+def plan_redistribute(src: Placement, dst: Placement, shape, axis: str, size: int) -> tuple:
+    """The transforms that move a tensor of global ``shape`` from ``src`` to ``dst`` on ``axis``."""
+    if src == dst or size == 1:
+        return ()
+
+    def cut(p):
+        return Transform("shard", axis, p.dim, shape[p.dim], p.blocks)
+
+    if isinstance(src, Partial):
+        if isinstance(dst, Replicate):
+            return (Transform("all_reduce", axis),)
+        if dst.blocks == 1 and shape[dst.dim] % size == 0:
+            return (Transform("reduce_scatter", axis, dst.dim, shape[dst.dim]),)
+        return (Transform("all_reduce", axis), cut(dst))   # padded or blocked: reduce, then cut
+    if isinstance(src, Shard):
+        gather = Transform("all_gather", axis, src.dim, shape[src.dim], src.blocks)
+        if isinstance(dst, Replicate):
+            return (gather,)
+        if isinstance(dst, Partial):
+            return (gather, Transform("to_partial", axis))
+        return (gather, cut(dst))
+    if isinstance(dst, Shard):
+        return (cut(dst),)
+    return (Transform("to_partial", axis),)
+
+
+def redistribute_steps(transforms, requires_grad: bool, shape, what: str) -> list:
+    """The ``CommStep`` list of a planned redistribution."""
+    return [CommStep(phase, kind, t.axis, tuple(shape), what)
+            for t in transforms for phase, kind in t.collectives(requires_grad)]
+
+
+def copy_to_parallel_steps(axis: str, shape) -> list:
+    """Megatron's f: identity forward, all-reduce of the (partial) gradient backward."""
+    return [CommStep(BWD, "all_reduce", axis, tuple(shape), "f (gradient of a replicated input)")]
+
+
+def vocab_parallel_cross_entropy_steps(axis: str, rows: int) -> list:
+    """The vocab-parallel cross-entropy's traffic: all-reduce(MAX) of the row max, then one all-reduce of
+    the stacked (sum of exps, target logit). The logits are never gathered."""
+    return [CommStep(FWD, "all_reduce", axis, (rows,), "loss: row max", itemsize=4),
+            CommStep(FWD, "all_reduce", axis, (rows,), "loss: sum of exps and target logit (stacked)", itemsize=4,
+                     stacked=2)]
+
+
+def volume(kind: str, nbytes, size: int):
+    """Bytes one rank sends (ring algorithm) for collective ``kind`` on a tensor of ``nbytes`` (full):
+    all-reduce ``2 n (t-1)/t``, all-gather and reduce-scatter ``n (t-1)/t``. Ints or sympy expressions."""
+    if size == 1:
+        return 0
+    factor = sympy.Rational(size - 1, size) if isinstance(nbytes, sympy.Basic) else (size - 1) / size
+    return (2 if kind == "all_reduce" else 1) * nbytes * factor

@@ -1,0 +1,80 @@
+"""Instantiate a compiled program: bind each parallel op of the graph to the communicator of its axis.
+
+The compiler leaves ``autoshard.ir.ops`` records in the graph (data: axis, placements, shapes).
+``bind`` builds a new ``GraphModule`` over the same graph in which each record is replaced by a
+``BoundOp`` that runs the op's implementation from ``IMPLEMENTATIONS`` with this rank's ``AxisComm``.
+This is the only place process groups meet the compiled graph.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from autoshard.ir import ops
+from autoshard.runtime import collectives as C
+from autoshard.runtime import losses as L
+
+
+def _redistribute(op, comm, x):
+    return C.redistribute(x, op.transforms, comm)
+
+
+def _copy_to_parallel(op, comm, x):
+    return C.CopyToParallel.apply(x, comm)
+
+
+def _column_parallel_matmul(op, comm, x, weight, bias=None):
+    return C.ColumnParallelMatmul.apply(x, weight, bias, comm, op.transposed)
+
+
+def _vocab_parallel_embedding(op, comm, weight, idx):
+    return L.vocab_parallel_embedding(weight, idx, op.start, op.valid, op.padding_idx)
+
+
+def _vocab_parallel_cross_entropy(op, comm, logits, target):
+    return L.VocabParallelCrossEntropy.apply(logits, target, comm, op.start, op.valid, op.ignore_index,
+                                            op.reduction, op.inplace)
+
+
+IMPLEMENTATIONS = {
+    ops.Redistribute: _redistribute,
+    ops.CopyToParallel: _copy_to_parallel,
+    ops.ColumnParallelMatmul: _column_parallel_matmul,
+    ops.VocabParallelEmbedding: _vocab_parallel_embedding,
+    ops.VocabParallelCrossEntropy: _vocab_parallel_cross_entropy,
+}
+
+
+class BoundOp(nn.Module):
+    """A parallel op with its communicator: what a ``call_module`` node of an instantiated program runs."""
+
+    def __init__(self, op: ops.ParallelOp, comm):
+        super().__init__()
+        self.op, self.comm, self.impl = op, comm, IMPLEMENTATIONS[type(op)]
+
+    def forward(self, *args):
+        if any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
+            return self.op.meta_forward(*args)
+        return self.impl(self.op, self.comm, *args)
+
+    def extra_repr(self):
+        return self.op.extra_repr()
+
+
+def bind(gm: fx.GraphModule, comms: dict) -> fx.GraphModule:
+    """A runnable copy of ``gm``: every ``ir.ops`` record bound to ``comms[record.axis]``."""
+    root = nn.Module()
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        op = gm.get_submodule(node.target)
+        if type(op) not in IMPLEMENTATIONS:
+            raise TypeError(f"node {node.name} calls {type(op).__name__}, which the runtime cannot run")
+        if op.axis not in comms:
+            raise ValueError(f"node {node.name} communicates on axis '{op.axis}', which this rank has no "
+                             f"communicator for (it has {sorted(comms)})")
+        root.add_module(node.target, BoundOp(op, comms[op.axis]))
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))  # the program keeps its own graph, untouched
+    return fx.GraphModule(root, graph)

@@ -1,0 +1,93 @@
+"""One communicator per mesh axis, each counting what it sends.
+
+``AxisComm`` wraps the process group of this rank's group along one axis (tp, dp or pp). Its tracer
+counts calls and bytes by ``(axis, phase, kind)``, the same keys as the program's planned collectives
+(``ir.program.comm_summary``), so a test or a benchmark can check the run against the plan call for call.
+Bytes are those of the full tensor communicated (an all-gather's output, a reduce-scatter's input).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Tracer:
+    calls: Counter = field(default_factory=Counter)   # (axis, phase, kind) -> calls
+    bytes: Counter = field(default_factory=Counter)   # (axis, phase, kind) -> bytes
+
+    def log(self, axis, phase, kind, nbytes):
+        self.calls[axis, phase, kind] += 1
+        self.bytes[axis, phase, kind] += nbytes
+
+    def reset(self):
+        self.calls.clear()
+        self.bytes.clear()
+
+
+@dataclass
+class AxisComm:
+    """This rank's group along ``axis``: ``size`` ranks, this one at index ``rank``."""
+    axis: str
+    size: int
+    rank: int
+    group: object = None                  # a torch ProcessGroup; None when size == 1
+    tracer: Tracer = field(default_factory=Tracer)
+
+    def _log(self, kind, numel, itemsize, phase):
+        self.tracer.log(self.axis, phase, kind, numel * itemsize)
+
+    def all_reduce(self, x, phase, op=dist.ReduceOp.SUM):
+        if x.is_meta or self.size == 1:
+            return x
+        x = x.contiguous()
+        self._log("all_reduce", x.numel(), x.element_size(), phase)
+        dist.all_reduce(x, op=op, group=self.group)
+        return x
+
+    def all_reduce_async(self, x, phase):
+        """Start an in-place all-reduce of ``x``; returns a handle to ``wait()`` on (or None)."""
+        if x.is_meta or self.size == 1:
+            return None
+        self._log("all_reduce", x.numel(), x.element_size(), phase)
+        return dist.all_reduce(x, group=self.group, async_op=True)
+
+    def all_gather(self, x, dim, phase):
+        """Concatenate every rank's ``x`` along ``dim``."""
+        if self.size == 1:
+            return x
+        if x.is_meta:
+            shape = list(x.shape)
+            shape[dim] *= self.size
+            return x.new_empty(shape)
+        x = x.contiguous()
+        self._log("all_gather", x.numel() * self.size, x.element_size(), phase)
+        if dim == 0:
+            out = x.new_empty((self.size * x.shape[0],) + tuple(x.shape[1:]))
+            dist.all_gather_single(out, x, group=self.group)
+            return out
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def reduce_scatter(self, x, dim, phase):
+        if self.size == 1:
+            return x
+        chunks = [c.contiguous() for c in x.chunk(self.size, dim=dim)]
+        if x.is_meta:
+            return chunks[0]
+        self._log("reduce_scatter", x.numel(), x.element_size(), phase)
+        out = torch.empty_like(chunks[self.rank])
+        dist.reduce_scatter(out, chunks, group=self.group)
+        return out
+
+
+def comms_for_mesh(device_mesh, spec, rank: int) -> dict:
+    """``{axis: AxisComm}`` for this rank of a torch ``DeviceMesh`` (groups only for axes of size > 1)."""
+    coords = spec.coords(rank)
+    return {axis: AxisComm(axis, spec.axis_size(axis), coords[axis],
+                           device_mesh.get_group(axis) if spec.axis_size(axis) > 1 else None)
+            for axis in coords}

@@ -1,0 +1,33 @@
+"""Where a rank's chunk of a sharded dim lives: per block (fused q|k|v), padded at the end (vocab)."""
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from autoshard.ir.placement import local_size
+
+
+def take_shard(x, dim, n, size, rank, blocks=1):
+    """Rank ``rank``'s chunk (of ``size``) of the full ``x`` along ``dim`` (length ``n``)."""
+    if blocks > 1:
+        b = x.unflatten(dim, (blocks, n // blocks))
+        c = n // blocks // size
+        return b.narrow(dim + 1, rank * c, c).flatten(dim, dim + 1)
+    c = local_size(n, size)
+    if c * size != n:
+        pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, c * size - n]
+        x = F.pad(x, pad)
+    return x.narrow(dim, rank * c, c)
+
+
+def assemble(parts_cat, dim, n, size, blocks=1):
+    """Inverse of ``take_shard`` on the concatenation of all ranks' chunks: the full tensor."""
+    if blocks > 1:
+        c = n // blocks // size
+        x = parts_cat.unflatten(dim, (size, blocks, c)).transpose(dim, dim + 1)
+        return x.flatten(dim, dim + 2)
+    return parts_cat.narrow(dim, 0, n)
+
+
+def gather_full(x, dim, n, comm, blocks, phase):
+    """All-gather the chunks of a dim of global length ``n`` on ``comm``'s axis: the full tensor."""
+    return assemble(comm.all_gather(x, dim, phase), dim, n, comm.size, blocks)

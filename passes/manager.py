@@ -1,0 +1,122 @@
+"""The compiler: one ordered list of passes, each ``(GraphModule, PassContext) -> GraphModule``.
+
+Each ``Pass`` declares the ``node.meta`` keys it requires and provides (``autoshard.ir.meta``), like
+torch's ``PassBase.requires/ensures``. ``check_pass_list`` checks the list against them before anything
+runs, so ``disable=("plan",)`` is a clear error instead of a missing key two passes later, and an
+unknown name in ``disable`` is an error too. ``run_passes`` lints the graph after every pass and, when
+dumping, writes a numbered text file of it. The captured graph is never modified: the first pass that
+works in place gets a copy.
+
+Where later features go (docs/architecture.md, "Where the next features go"): pipeline stage cuts are a
+pass before ``plan``; activation recompute and fusion are passes after ``overlap_grad_allreduce``, each a
+new file plus one line here.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch.fx as fx
+
+from autoshard.ir import meta as M
+from autoshard.ir.mesh import MeshSpec
+from autoshard.ir.options import CompileOptions
+from autoshard.passes import dump as D
+from autoshard.passes.bias import decompose_bias_pass, fuse_bias_pass
+from autoshard.passes.outputs import loss_only_pass
+from autoshard.passes.overlap import overlap_grad_allreduce_pass
+from autoshard.passes.plan import plan_pass
+from autoshard.passes.tp_rewrite import tp_rewrite_pass
+from autoshard.passes.validate import check_heads_pass, check_local_shapes_pass
+
+
+@dataclass
+class PassContext:
+    """What every pass may read: the mesh's shape, which rank is being compiled, the options."""
+    mesh: MeshSpec
+    rank: int
+    options: CompileOptions = field(default_factory=CompileOptions)
+    dump_dir: str | None = None
+
+    @property
+    def coords(self) -> dict:
+        return self.mesh.coords(self.rank)
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    fn: Callable                  # (gm, ctx) -> gm
+    why: str                      # why it runs here, in one line
+    requires: tuple = ()          # MetaKeys it reads
+    provides: tuple = ()          # MetaKeys it writes
+    in_place: bool = True         # False: builds a new GraphModule and leaves its input untouched
+
+
+CAPTURED = (M.KIND, M.NAME, M.REQUIRES_GRAD)   # what capture provides
+
+PASSES = [
+    Pass("check_heads", check_heads_pass, "heads tp does not divide are an error before any work is done"),
+    Pass("loss_only", loss_only_pass, "drop outputs before planning, so nothing is priced for gathering them"),
+    Pass("decompose_bias", decompose_bias_pass, "a row-parallel bias must be added after the all-reduce"),
+    Pass("plan", plan_pass, "placements for every node, from the op rules and the ILP",
+         requires=CAPTURED, provides=(M.STRATEGY, M.SPEC, M.REQUIRES_GRAD)),
+    Pass("tp_rewrite", tp_rewrite_pass, "local shapes, collectives as ir.ops records, vocab-parallel lowerings",
+         requires=(M.STRATEGY, M.SPEC, M.REQUIRES_GRAD), provides=(M.GLOBAL_SHAPE, M.LOCAL_SHAPE, M.SOURCE),
+         in_place=False),
+    Pass("fuse_bias", fuse_bias_pass, "fold bias adds that stayed local back into the matmul",
+         requires=(M.LOCAL_SHAPE,)),
+    Pass("overlap_grad_allreduce", overlap_grad_allreduce_pass,
+         "fuse f into its column-parallel matmul: the gradient all-reduce overlaps dW", requires=(M.LOCAL_SHAPE,)),
+    Pass("check_local_shapes", check_local_shapes_pass, "run on meta: every local shape as planned",
+         requires=(M.LOCAL_SHAPE,)),
+]
+
+
+def check_pass_list(disable=()) -> list:
+    """The passes that will run, after checking ``disable`` and every pass's requirements."""
+    names = [p.name for p in PASSES]
+    unknown = [d for d in disable if d not in names]
+    if unknown:
+        raise ValueError(f"unknown pass name(s) {unknown} in disable: the passes are {names}")
+    enabled = [p for p in PASSES if p.name not in disable]
+    have = {k.key for k in CAPTURED}
+    for p in enabled:
+        for k in p.requires:
+            if k.key not in have:
+                raise ValueError(f"pass '{p.name}' needs the '{k.key}' annotation, which pass '{k.provided_by}' "
+                                 f"provides, but '{k.provided_by}' is disabled: disable '{p.name}' too, or keep "
+                                 f"'{k.provided_by}'")
+        have |= {k.key for k in p.provides}
+    return enabled
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy whose nodes (and their meta dicts) are new; tensors in meta are shared, not copied."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    out = fx.GraphModule(gm, graph)
+    out.meta = dict(gm.meta)
+    return out
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext) -> tuple:
+    """Run the enabled passes in order: ``(final graph, {pass name: seconds})``."""
+    passes = check_pass_list(ctx.options.disable)
+    if ctx.dump_dir:
+        D.dump_graph(gm, ctx.dump_dir, 0, "capture")
+    owned, timings = False, {}
+    for i, p in enumerate(PASSES, start=1):
+        if p not in passes:
+            continue
+        if p.in_place and not owned:
+            gm, owned = copy_graph_module(gm), True
+        start = time.perf_counter()
+        gm = p.fn(gm, ctx)
+        owned = True
+        gm.graph.lint()
+        timings[p.name] = time.perf_counter() - start
+        if ctx.dump_dir:
+            D.dump_graph(gm, ctx.dump_dir, i, p.name)
+    return gm, timings

@@ -1,0 +1,80 @@
+"""Validation passes: checks that change nothing, placed where a wrong input or a wrong rewrite shows.
+
+- ``check_heads_pass`` (before planning): attention heads that tp does not divide are a clear error;
+  dropout in replicated regions is a warning (ranks must draw the same masks);
+- ``check_local_shapes_pass`` (last): runs the local program on meta tensors and checks every value's
+  shape against the plan, catching a wrong literal size or a wrong collective before any process starts.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.fx as fx
+
+from autoshard.ir import meta as M
+
+aten = torch.ops.aten
+
+
+class ShapeCheckError(AssertionError):
+    """The local program computes another shape than the plan says: a compiler bug, with the node."""
+
+
+def module_path(node) -> str:
+    """The source module of a node (``transformer.h.3.attn``), from export's ``nn_module_stack``."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return next(reversed(stack.values()))[0] if stack else node.name
+
+
+def check_heads_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    """Attention heads must divide evenly over tp: say which module, how many heads, and what works."""
+    t = ctx.mesh.tp
+    if t == 1:
+        return gm
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is aten.scaled_dot_product_attention.default:
+            shape = tuple(n.args[0].meta["val"].shape)
+            if len(shape) == 4 and shape[1] % t:  # (B, L, E) has no head dim: sharded by batch or not at all
+                ok = [d for d in range(1, shape[1] + 1) if shape[1] % d == 0]
+                raise ValueError(f"attention in '{module_path(n)}' has {shape[1]} heads, which tp={t} does not "
+                                 f"divide: tensor parallelism splits attention by heads; use tp in {ok}")
+        elif n.target is aten.dropout.default:
+            p, train = (list(n.args[1:3]) + [0.5, True])[:2]
+            if p > 0 and train:
+                warnings.warn(f"'{module_path(n)}' has dropout with p={p}: replicated activations stay identical "
+                              "across tp ranks only if every rank seeds torch identically (torch.manual_seed(seed) "
+                              "on all ranks); a model-parallel RNG tracker is not implemented yet", stacklevel=2)
+    return gm
+
+
+def check_local_shapes_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
+    """Run the local program on meta tensors; every tensor's shape must equal its ``LOCAL_SHAPE``."""
+    inputs = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            shape = M.LOCAL_SHAPE.get(n)
+            v = n.meta["val"]
+            inputs.append(torch.empty(shape, dtype=v.dtype, device="meta") if shape is not None else v)
+
+    class Checker(fx.Interpreter):
+        def call_function(self, target, args, kwargs):
+            if "device" in kwargs:  # keep everything on meta (HF moves embeddings with .to(device))
+                kwargs = {**kwargs, "device": torch.device("meta")}
+            return super().call_function(target, args, kwargs)
+
+        def run_node(self, node):
+            out = super().run_node(node)
+            if isinstance(out, torch.Tensor) and not out.is_meta:  # creation ops (arange) default to cpu
+                out = out.to("meta")
+            if isinstance(out, torch.Tensor) and node.op != "output":
+                want = M.LOCAL_SHAPE.get(node)
+                if want is None or tuple(out.shape) != tuple(want):
+                    raise ShapeCheckError(f"local shape of {node.name} ({node.format_node()}) is "
+                                          f"{tuple(out.shape)}, the plan says {want}")
+            return out
+
+    Checker(gm).run(*inputs)
+    return gm
