@@ -26,8 +26,8 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     args = ap.parse_args(argv)
-    print(f"| layers | compile s | capture s | passes s | ILP vars | ILP s | collectives/step | bytes/step |")
-    print(f"|---|---|---|---|---|---|---|---|")
+    print("| layers | compile s | capture s | passes s | ILP vars | ILP s | collectives/step | bytes/step |")
+    print("|---|---|---|---|---|---|---|---|")
     for L in args.layers:
         with torch.device("meta"):  # no weights needed to compile
             model = GPT(GPTConfig(block_size=args.seq, vocab_size=args.vocab, n_layer=L, n_head=args.heads,

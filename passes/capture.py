@@ -6,12 +6,15 @@ buffer / input), ``meta.NAME`` (its name in the original model) and ``meta.REQUI
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
 
 from autoshard.ir import meta as M
 from autoshard.ir.program import Captured
+from autoshard.passes.regions import RegionError, inline_regions
 
 
 class CaptureError(RuntimeError):
@@ -43,16 +46,44 @@ def _module_stack_tracker(model):
     return stack, handles
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
-    kwargs = kwargs or {}
-    on_meta = any(p.is_meta for p in model.parameters())
-    example_leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-    device = next((x.device for x in example_leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
-    if on_meta:  # trace a weightless model with weightless inputs; constants are retargeted below
-        args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda x: x.to("meta"), (args, kwargs))
+def _unalias(args, kwargs):
+    """Clone a tensor passed twice (``labels=ids``): export would read one placeholder for both, and the
+    program would then be wrong for any later call that passes two different tensors."""
+    seen = set()
+
+    def once(x):
+        if id(x) in seen:
+            return x.clone()
+        seen.add(id(x))
+        return x
+    return torch.utils._pytree.tree_map_only(torch.Tensor, once, (args, kwargs))
+
+
+@contextmanager
+def _training_forward(model, kwargs):
+    """Trace without a KV cache: HF models default to ``config.use_cache=True``, which returns a cache
+    object export cannot flatten. A cache is for generation; autoshard compiles the training forward."""
+    if kwargs.get("use_cache"):
+        raise CaptureError("use_cache=True asks for a KV cache, which is for generation: autoshard compiles the "
+                           "training forward; pass use_cache=False (or leave it out)")
+    config = getattr(model, "config", None)
+    old = getattr(config, "use_cache", None)
+    if old:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if old:
+            config.use_cache = old
+
+
+def _export(model, args, kwargs):
     stack, handles = _module_stack_tracker(model)
     try:
-        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+        with _training_forward(model, kwargs):
+            return torch.export.export(model, tuple(args), kwargs, strict=False)
+    except CaptureError:
+        raise
     except Exception as e:  # name the module the tracer was in and the construct, with a hint
         where = stack[-1] if stack and stack[-1] else "<top>"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -65,18 +96,33 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
         for h in handles:
             h.remove()
 
+
+def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
+    kwargs = kwargs or {}
+    on_meta = any(p.is_meta for p in model.parameters())
+    args, kwargs = _unalias(args, kwargs)
+    example_leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    device = next((x.device for x in example_leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    if on_meta:  # trace a weightless model with weightless inputs; constants are retargeted below
+        args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, lambda x: x.to("meta"), (args, kwargs))
+    ep = _export(model, args, kwargs)
     for spec in ep.graph_signature.output_specs:
         if spec.kind not in (OutputKind.USER_OUTPUT,):
             raise CaptureError(f"the forward mutates {spec.kind.name.lower()} '{spec.target}'; autoshard "
                                "captures pure forwards only (hint: return the new value instead)")
     gm = ep.graph_module
+    try:
+        regions = inline_regions(gm)
+    except RegionError as e:
+        raise CaptureError(str(e)) from None
     for n in list(gm.graph.nodes):  # export's dtype asserts: no output, and sharding never changes dtypes
         if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default:
             gm.graph.erase_node(n)
     if on_meta:
+        meta = torch.device("meta")
         for n in gm.graph.nodes:
-            if n.kwargs.get("device") == torch.device("meta"):
-                n.kwargs = {**n.kwargs, "device": device}
+            n.args = tuple(device if a == meta else a for a in n.args)
+            n.kwargs = {k: (device if v == meta else v) for k, v in n.kwargs.items()}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     params, buffers, users = [], [], []
     for node, spec in zip(placeholders, ep.graph_signature.input_specs):
@@ -89,15 +135,43 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
         M.KIND.set(node, kind)
         M.REQUIRES_GRAD.set(node, kind == "parameter")
         M.NAME.set(node, spec.target if kind != "input" else spec.arg.name)
+    input_leaves = _user_inputs(gm, [n for n in placeholders if M.KIND.get(n) == "input"], example_leaves)
+    users = [n for n in users if n in {M.NAME.get(p) for p in gm.graph.nodes if p.op == "placeholder"}]
+    aliases = _resolve_tied(model, gm, placeholders, params)
+    gm.recompile()
+    return Captured(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, params, buffers, aliases, users,
+                    dict(ep.constants),
+                    [x if not isinstance(x, torch.Tensor) else (tuple(x.shape), x.dtype) for x in example_leaves],
+                    input_leaves, regions)
 
-    # Inputs that require grad (inputs_embeds, prompt tuning) need Megatron's f like any replicated value.
-    tensor_leaves = [x for x in example_leaves if isinstance(x, torch.Tensor)]
-    inputs = [n for n in placeholders if M.KIND.get(n) == "input" and isinstance(n.meta.get("val"), torch.Tensor)]
-    for n, x in zip(inputs, tensor_leaves):
-        M.REQUIRES_GRAD.set(n, bool(x.requires_grad and x.is_floating_point()))
 
-    # Tied weights: export lists every name of a shared tensor, but the graph reads only one of them.
-    # Keep the used name, drop the other placeholders, and remember the alias for state dicts.
+def _user_inputs(gm, inputs, leaves) -> list:
+    """Which flattened call leaves the graph reads, in placeholder order.
+
+    Export makes one placeholder per leaf, tensor or not. A non-tensor leaf (``use_cache=False``) is
+    specialised into the trace: its placeholder has no users and is dropped, and the runtime checks the
+    value against the example instead. Inputs that require grad (inputs_embeds, prompt tuning) are marked
+    so they get Megatron's f like any replicated value.
+    """
+    if len(inputs) != len(leaves):
+        raise CaptureError(f"export made {len(inputs)} input placeholders for {len(leaves)} input leaves: an "
+                           "input layout autoshard does not know; pass tensors and plain Python values only")
+    kept = []
+    for i, (node, x) in enumerate(zip(inputs, leaves)):
+        if isinstance(x, torch.Tensor):
+            M.REQUIRES_GRAD.set(node, bool(x.requires_grad and x.is_floating_point()))
+            kept.append(i)
+        elif node.users:
+            raise CaptureError(f"the non-tensor input '{M.NAME.get(node)}' = {x!r} is read by the graph as a value; "
+                               "autoshard compiles non-tensor inputs in as constants: pass it as a tensor")
+        else:
+            gm.graph.erase_node(node)
+    return kept
+
+
+def _resolve_tied(model, gm, placeholders, params) -> dict:
+    """Tied weights: export lists every name of a shared tensor, but the graph reads only one of them.
+    Keep the used name, drop the other placeholders, and return ``{alias: used name}`` for state dicts."""
     by_id = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
@@ -114,7 +188,4 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
                 if not node_of[n].users:
                     gm.graph.erase_node(node_of[n])
                     params.remove(n)
-    gm.recompile()
-    return Captured(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, params, buffers, aliases, users,
-                    dict(ep.constants),
-                    [x if not isinstance(x, torch.Tensor) else (tuple(x.shape), x.dtype) for x in example_leaves])
+    return aliases

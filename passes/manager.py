@@ -24,6 +24,7 @@ from autoshard.ir.mesh import MeshSpec
 from autoshard.ir.options import CompileOptions
 from autoshard.passes import dump as D
 from autoshard.passes.bias import decompose_bias_pass, fuse_bias_pass
+from autoshard.passes.canonicalize import canonicalize_pass
 from autoshard.passes.outputs import loss_only_pass
 from autoshard.passes.overlap import overlap_grad_allreduce_pass
 from autoshard.passes.plan import plan_pass
@@ -57,6 +58,7 @@ class Pass:
 CAPTURED = (M.KIND, M.NAME, M.REQUIRES_GRAD)   # what capture provides
 
 PASSES = [
+    Pass("canonicalize", canonicalize_pass, "ops in the spelling the rules know; in-place ops made pure"),
     Pass("check_heads", check_heads_pass, "heads tp does not divide are an error before any work is done"),
     Pass("loss_only", loss_only_pass, "drop outputs before planning, so nothing is priced for gathering them"),
     Pass("decompose_bias", decompose_bias_pass, "a row-parallel bias must be added after the all-reduce"),
@@ -113,7 +115,9 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext) -> tuple:
         if p.in_place and not owned:
             gm, owned = copy_graph_module(gm), True
         start = time.perf_counter()
+        graph_meta = dict(gm.meta)
         gm = p.fn(gm, ctx)
+        gm.meta = {**graph_meta, **gm.meta}   # graph-level facts (the plan report) outlive a new graph
         owned = True
         gm.graph.lint()
         timings[p.name] = time.perf_counter() - start

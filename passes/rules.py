@@ -13,56 +13,18 @@ cross-entropy (all-reduce the max, the target logit and the sum of exps; never g
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
 
 import torch
 
-from autoshard.ir.mesh import MeshSpec
-from autoshard.ir.placement import P, R, Placement, Shard, shardable
-from autoshard.ir.redistribute import vocab_parallel_cross_entropy_steps
+from autoshard.ir.placement import P, R, Shard, shardable
+from autoshard.passes.rules_vocab import cross_entropy, embedding
 from autoshard.passes.shapes import map_shard_through_view, shape_of, val
+from autoshard.passes.strategy import RuleContext, Strategy, _ins, _replicated, shard_options
+
+__all__ = ["RULES", "POINTWISE", "VIEW_OPS", "RuleContext", "Strategy", "strategies_for", "block_hints",
+           "shard_options"]
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class Strategy:
-    out: Placement
-    ins: tuple                    # one placement per node.all_input_nodes entry
-    lowering: str | None = None   # a local implementation other than the op itself
-    comm: tuple = ()              # collectives inside the op (ir.redistribute.CommStep)
-    sharded: bool = False         # True when each rank computes 1/t of the op
-
-
-@dataclass
-class RuleContext:
-    """The mesh and the axis being planned (the rules see its size as ``t``)."""
-    mesh: MeshSpec
-    axis: str = "tp"
-    hints: dict = field(default_factory=dict)      # node -> {(dim, blocks)} from fused-projection splits
-    unruled: list = field(default_factory=list)    # nodes replicated because no rule knows their op
-
-    @property
-    def t(self) -> int:
-        return self.mesh.axis_size(self.axis)
-
-
-def _ins(node, mapping: dict):
-    """Placements aligned with ``node.all_input_nodes``; inputs not named are Replicate."""
-    return tuple(mapping.get(n, R) for n in node.all_input_nodes)
-
-
-def shard_options(node, shape, ctx: RuleContext, allow_pad=False):
-    """All shards of a tensor: every dim t divides (or, if allowed, pads), plus blocked shards from hints."""
-    opts = [Shard(d) for d, n in enumerate(shape) if n > 1 and shardable(n, ctx.t, 1, allow_pad)]
-    for d, k in sorted(ctx.hints.get(node, ())):
-        if shardable(shape[d], ctx.t, k):
-            opts.append(Shard(d, k))
-    return opts
-
-
-def _replicated(node):
-    return [Strategy(R, _ins(node, {}))]
 
 
 # --- pointwise ----------------------------------------------------------------------------------------
@@ -72,6 +34,10 @@ POINTWISE = {
     aten.contiguous, aten.where, aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge, aten.masked_fill,
     aten.rsqrt, aten.sqrt, aten.abs, aten.erf, aten.type_as, aten.detach, aten.reciprocal, aten.rsub,
     aten.logical_and, aten.logical_or, aten.bitwise_and, aten.__and__, aten.__or__, aten.softplus,
+    aten.cos, aten.sin, aten.log, aten.exp2, aten.log1p, aten.expm1, aten.square, aten.maximum, aten.minimum,
+    aten.clamp, aten.clamp_min, aten.clamp_max, aten.logical_not, aten.bitwise_not, aten.bitwise_or,
+    aten.sign, aten.floor, aten.ceil, aten.round, aten.trunc, aten.fill, aten.zeros_like, aten.ones_like,
+    aten.full_like, aten.empty_like, aten.hardtanh, aten.leaky_relu, aten.elu, aten.mish, aten.hardswish,
 }
 LINEAR_UNARY = {aten.neg, aten.alias, aten.clone, aten.contiguous, aten.to, aten._to_copy, aten.detach,
                 aten.type_as}
@@ -211,6 +177,21 @@ def slice_like(node, ctx):
         if s.dim != dim:
             od = s.dim - 1 if drops and s.dim > dim else s.dim
             strategies.append(Strategy(Shard(od, s.blocks), _ins(node, {src: s}), sharded=True))
+    return strategies
+
+
+def index(node, ctx):
+    """``x[..., idx, ...]`` with one 1-D index tensor (``aten.index.Tensor``): dims other than the indexed
+    one keep their shard (Falcon's kv-head pick, HF's position gathers)."""
+    src, indices = node.args[0], node.args[1]
+    tensors = [(k, i) for k, i in enumerate(indices) if i is not None]
+    strategies = _replicated(node)
+    if len(tensors) != 1 or len(shape_of(tensors[0][1]) or ()) != 1:
+        return strategies
+    k = tensors[0][0]
+    for s in shard_options(src, shape_of(src), ctx):
+        if s.dim != k:
+            strategies.append(Strategy(s, _ins(node, {src: s}), sharded=True))
     return strategies
 
 
@@ -365,48 +346,11 @@ def sdpa(node, ctx):
     return strategies
 
 
-# --- embedding and loss -------------------------------------------------------------------------------
-def embedding(node, ctx):
-    """Megatron's vocab-parallel embedding: each rank looks up its vocab rows, zeros elsewhere -> Partial.
-
-    The hidden-sharded alternative (weight ``Shard(1)``) is deliberately not offered: with a tied LM head
-    the weight must be vocab-sharded anyway, and keeping one layout for tied and untied models keeps
-    checkpoints and the loss path identical (noted as a possible future candidate in the docs).
-    """
-    w, idx = node.args[0], node.args[1]
-    strategies = _replicated(node)
-    by_freq = len(node.args) > 3 and node.args[3]
-    sparse = len(node.args) > 4 and node.args[4]
-    if shardable(shape_of(w)[0], ctx.t, allow_pad=True) and not by_freq and not sparse:
-        strategies.append(Strategy(P, _ins(node, {w: Shard(0)}), lowering="vocab_parallel_embedding",
-                                   sharded=True))
-    for d, n in enumerate(shape_of(idx)):
-        if n % ctx.t == 0 and n > 1:
-            strategies.append(Strategy(Shard(d), _ins(node, {idx: Shard(d)}), sharded=True))
-    return strategies
-
-
-def cross_entropy(node, ctx):
-    """Vocab-parallel cross-entropy on logits sharded by vocab: all-reduce the row max, then one all-reduce
-    of the stacked (sum of exps, target logit), N floats each: 2 collectives, the logits never gathered."""
-    logits = node.args[0]
-    weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
-    smoothing = node.args[5] if len(node.args) > 5 else node.kwargs.get("label_smoothing", 0.0)
-    strategies = _replicated(node)
-    if len(shape_of(logits)) == 2 and weight is None and smoothing == 0.0:
-        if shardable(shape_of(logits)[1], ctx.t, allow_pad=True):
-            n = shape_of(logits)[0]
-            strategies.append(Strategy(R, _ins(node, {logits: Shard(1)}), sharded=True,
-                                       lowering="vocab_parallel_cross_entropy",
-                                       comm=tuple(vocab_parallel_cross_entropy_steps(ctx.axis, n))))
-    return strategies
-
-
 RULES = {
     aten.view: view, aten.reshape: view, aten._unsafe_view: view,
     aten.transpose: transpose, aten.permute: permute, aten.t: t_, aten.unsqueeze: unsqueeze,
     aten.expand: expand, aten.split: split, aten.split_with_sizes: split,
-    aten.slice: slice_like, aten.select: slice_like, aten.narrow: slice_like, aten.cat: cat,
+    aten.slice: slice_like, aten.select: slice_like, aten.narrow: slice_like, aten.cat: cat, aten.index: index,
     aten._softmax: softmax, aten.softmax: softmax, aten._log_softmax: softmax, aten.log_softmax: softmax,
     aten.sum: reduce_sum, aten.mean: reduce_sum,
     aten.layer_norm: layer_norm, aten.linear: linear, aten.mm: mm, aten.bmm: bmm, aten.matmul: matmul,

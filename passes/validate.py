@@ -61,8 +61,10 @@ def check_local_shapes_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
 
     class Checker(fx.Interpreter):
         def call_function(self, target, args, kwargs):
-            if "device" in kwargs:  # keep everything on meta (HF moves embeddings with .to(device))
-                kwargs = {**kwargs, "device": torch.device("meta")}
+            # keep everything on meta: HF moves masks and tables with .to(device), by keyword or by position
+            meta = torch.device("meta")
+            args = tuple(meta if isinstance(a, torch.device) else a for a in args)
+            kwargs = {k: (meta if isinstance(v, torch.device) else v) for k, v in kwargs.items()}
             return super().call_function(target, args, kwargs)
 
         def run_node(self, node):

@@ -25,6 +25,8 @@ class Captured:
     user_input_names: list
     constants: dict          # lifted constant tensors (export's ep.constants), by name
     example_leaves: list     # the flattened example inputs: non-tensors are compiled in, tensors give shapes
+    input_leaves: list = field(default_factory=list)   # indices of the leaves the graph reads, in order
+    regions: list = field(default_factory=list)        # higher-order regions inlined at capture
 
 
 @dataclass(frozen=True)

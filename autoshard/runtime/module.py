@@ -164,7 +164,7 @@ class ParallelModule(nn.Module):
             if not isinstance(x, torch.Tensor) and x != ex:
                 raise ValueError(f"input {i} is {x!r}, but {ex!r} was compiled into the program: non-tensor "
                                  "arguments are constants of the trace; parallelize again to change them")
-        user = [x for x in leaves if isinstance(x, torch.Tensor)]  # export keeps only tensor leaves as inputs
+        user = [leaves[i] for i in captured.input_leaves]  # the leaves the graph reads (tensors)
         params = [self.shards[_key(r.name)] for r in self.program.params]
         buffers = [getattr(self, _key(b)) for b in self._buffer_names]
         flat = self.graph(*params, *buffers, *user)

@@ -1,0 +1,126 @@
+"""Canonicalize: rewrite ops into the smaller set the sharding rules know, and make in-place ops pure.
+
+Export keeps each model's own spelling of an op: GPT-NeoX ``chunk``s its fused q|k|v, GPT-J ``stack``s
+and ``flatten``s in its rotary, Falcon transposes its weights with ``numpy_T`` and broadcasts kv heads
+with ``broadcast_to``. Each has an exact equivalent among the ops the rules cover. ``REWRITES`` is a
+table: one row per op, a function that emits the replacement. An op is supported by adding a row.
+
+In-place ops (Falcon's ``mlp_out += attn_out``, eager attention's ``scores /= ...``) become their
+out-of-place form when the value they write is an op result that no view aliases; later reads of it
+read the new node. Without this, a sharded collective output could be written in place.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autoshard.passes.shapes import shape_of
+
+aten = torch.ops.aten
+
+
+def _meta(x):
+    v = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if isinstance(v, torch.Tensor):
+        return torch.empty(v.shape, dtype=v.dtype, device="meta")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_meta(a) for a in x)
+    return x
+
+
+def _emit(g, target, args, like: fx.Node):
+    """A new node computing ``target(*args)``, with its ``val`` from a meta run and ``like``'s module stack."""
+    node = g.call_function(target, tuple(args))
+    out = target(*[_meta(a) for a in args])
+    node.meta = {k: v for k, v in like.meta.items() if k in ("nn_module_stack", "stack_trace", "source_fn_stack")}
+    node.meta["val"] = out
+    return node
+
+
+def _chunk(g, n):
+    x, chunks = n.args[0], n.args[1]
+    dim = n.args[2] if len(n.args) > 2 else 0
+    size = -(-shape_of(x)[dim] // chunks)
+    return _emit(g, aten.split.Tensor, (x, size, dim), n)
+
+
+def _stack(g, n):
+    tensors = n.args[0]
+    dim = n.args[1] if len(n.args) > 1 else 0
+    dim = dim % (len(shape_of(tensors[0])) + 1)
+    parts = [_emit(g, aten.unsqueeze.default, (t, dim), n) for t in tensors]
+    return _emit(g, aten.cat.default, (parts, dim), n)
+
+
+def _flatten(g, n):
+    return _emit(g, aten.reshape.default, (n.args[0], list(shape_of(n))), n)
+
+
+def _numpy_t(g, n):
+    nd = len(shape_of(n.args[0]))
+    return _emit(g, aten.permute.default, (n.args[0], list(range(nd - 1, -1, -1))), n)
+
+
+def _broadcast_to(g, n):
+    return _emit(g, aten.expand.default, (n.args[0], list(shape_of(n))), n)
+
+
+REWRITES = {
+    aten.chunk.default: _chunk,
+    aten.unsafe_chunk.default: _chunk,
+    aten.stack.default: _stack,
+    aten.flatten.using_ints: _flatten,
+    aten.numpy_T.default: _numpy_t,
+    aten.broadcast_to.default: _broadcast_to,
+}
+
+VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.slice, aten.select, aten.transpose,
+         aten.permute, aten.t, aten.unsqueeze, aten.squeeze, aten.alias, aten.narrow, aten.split, aten.chunk,
+         aten.unflatten, aten.flatten, aten.as_strided, aten.diagonal, aten.unbind, aten.view_as, aten.expand_as}
+
+
+def _out_of_place(node):
+    """The functional twin of an in-place ATen op (``add_.Tensor`` -> ``add.Tensor``), or None."""
+    packet = getattr(node.target, "overloadpacket", None)
+    name = getattr(packet, "__name__", "")
+    if not name.endswith("_") or name.startswith("_"):
+        return None
+    twin = getattr(aten, name[:-1], None)
+    return getattr(twin, node.target._overloadname, None) if twin is not None else None
+
+
+def _functionalize(g, n) -> bool:
+    target = _out_of_place(n)
+    x = n.args[0] if n.args else None
+    if target is None or not isinstance(x, fx.Node) or x.op != "call_function":
+        return False
+    if getattr(x.target, "overloadpacket", None) in VIEWS or any(
+            getattr(u.target, "overloadpacket", None) in VIEWS for u in x.users if u is not n):
+        return False  # a view shares x's storage: the write would show through it
+    order = {m: i for i, m in enumerate(g.nodes)}
+    with g.inserting_before(n):
+        pure = g.call_function(target, n.args, dict(n.kwargs))
+    pure.meta = dict(n.meta)
+    for u in list(x.users):
+        if u not in (n, pure) and order[u] > order[n]:
+            u.replace_input_with(x, pure)   # later reads see the written value
+    n.replace_all_uses_with(pure)
+    g.erase_node(n)
+    return True
+
+
+def canonicalize_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
+    g = gm.graph
+    for n in list(g.nodes):
+        if n.op != "call_function":
+            continue
+        if n.target in REWRITES:
+            with g.inserting_before(n):
+                new = REWRITES[n.target](g, n)
+            n.replace_all_uses_with(new)
+            g.erase_node(n)
+        elif _out_of_place(n) is not None:
+            _functionalize(g, n)
+    g.lint()
+    gm.recompile()
+    return gm

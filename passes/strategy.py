@@ -1,0 +1,51 @@
+"""What a sharding rule returns (``Strategy``) and what it is given (``RuleContext``).
+
+A strategy is one way an op can run locally on one mesh axis: the placement of its output and the
+placement each input must arrive in. Rules list only strategies whose local computation is exact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autoshard.ir.mesh import MeshSpec
+from autoshard.ir.placement import R, Placement, Shard, shardable
+
+
+@dataclass(frozen=True)
+class Strategy:
+    out: Placement
+    ins: tuple                    # one placement per node.all_input_nodes entry
+    lowering: str | None = None   # a local implementation other than the op itself
+    comm: tuple = ()              # collectives inside the op (ir.redistribute.CommStep)
+    sharded: bool = False         # True when each rank computes 1/t of the op
+
+
+@dataclass
+class RuleContext:
+    """The mesh and the axis being planned (the rules see its size as ``t``)."""
+    mesh: MeshSpec
+    axis: str = "tp"
+    hints: dict = field(default_factory=dict)      # node -> {(dim, blocks)} from fused-projection splits
+    unruled: list = field(default_factory=list)    # nodes replicated because no rule knows their op
+
+    @property
+    def t(self) -> int:
+        return self.mesh.axis_size(self.axis)
+
+
+def _ins(node, mapping: dict):
+    """Placements aligned with ``node.all_input_nodes``; inputs not named are Replicate."""
+    return tuple(mapping.get(n, R) for n in node.all_input_nodes)
+
+
+def shard_options(node, shape, ctx: RuleContext, allow_pad=False):
+    """All shards of a tensor: every dim t divides (or, if allowed, pads), plus blocked shards from hints."""
+    opts = [Shard(d) for d, n in enumerate(shape) if n > 1 and shardable(n, ctx.t, 1, allow_pad)]
+    for d, k in sorted(ctx.hints.get(node, ())):
+        if shardable(shape[d], ctx.t, k):
+            opts.append(Shard(d, k))
+    return opts
+
+
+def _replicated(node):
+    return [Strategy(R, _ins(node, {}))]
