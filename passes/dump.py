@@ -70,6 +70,104 @@ def model_symbols(gm):
     return dict(sorted(syms.items(), key=lambda kv: order.index(str(kv[0]))))
 
 
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def _fmt_collectives(records) -> str:
+    return ", ".join(f"{c.kind} {c.phase} ({c.what}: {c.numel} elements, {c.nbytes} B)" for c in records)
+
+
+def _gathers_feeding(gm, x, by_node):
+    """The forward collectives that made ``x`` whole: walk up from ``x`` through views, same-shape pointwise
+    ops and collectives without a forward gather, stopping at each collective that gathers or reduces.
+    Returns ``([(node, records)], [nodes that computed the value whole themselves])``."""
+    from autoshard.ir import ops
+    from autoshard.passes.rules import POINTWISE, VIEW_OPS
+    found, producers, seen, todo = [], [], set(), [x]
+    while todo:
+        u = todo.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        fwd = [c for c in by_node.get(u.name, []) if c.phase == "fwd" and c.kind in ("all_gather", "all_reduce")]
+        op = gm.get_submodule(u.target) if u.op == "call_module" else None
+        packet = getattr(u.target, "overloadpacket", None) if u.op == "call_function" else None
+        if isinstance(op, (ops.Redistribute, ops.CopyToParallel)):
+            if fwd:
+                found.append((u, fwd))
+            else:
+                todo.append(u.args[0])
+        elif packet in VIEW_OPS or packet is aten.alias:
+            todo.append(u.args[0])
+        elif packet in POINTWISE:
+            shape = M.GLOBAL_SHAPE.get(u, None)
+            todo += [a for a in u.all_input_nodes if M.GLOBAL_SHAPE.get(a, None) == shape]
+        else:
+            producers.append(u)
+    return found, producers
+
+
+def loss_section(program) -> list:
+    """``plan.md``'s "Loss" lines: for each cross-entropy and logsumexp of the program, whether it ran
+    vocab-parallel (and on which row statistics) or replicated, and then which collectives gathered its
+    logits and why; and which outputs are gathered to be returned whole (a loss computed outside the model)."""
+    from autoshard.ir import ops
+    from autoshard.ir.placement import Shard
+    from autoshard.passes.rules_vocab import cross_entropy_args, cross_entropy_blockers, logsumexp
+    from autoshard.passes.strategy import RuleContext
+    gm, t = program.gm, program.mesh.tp
+    by_node = {}
+    for c in program.collectives:
+        by_node.setdefault(c.node, []).append(c)
+    L = ["## Loss", ""]
+    for n in gm.graph.nodes:
+        op = gm.get_submodule(n.target) if n.op == "call_module" else None
+        packet = getattr(n.target, "overloadpacket", None) if n.op == "call_function" else None
+        if isinstance(op, ops.VocabParallelCrossEntropy):
+            smooth = f", label_smoothing={op.label_smoothing} over V={op.vocab}" if op.label_smoothing else ""
+            L.append(f"- `{n.name}` cross_entropy (reduction={_REDUCTIONS.get(op.reduction, op.reduction)}, "
+                     f"ignore_index={op.ignore_index}{smooth}): **vocab-parallel**, the logits `{n.args[0].name}` "
+                     f"stay sharded by vocab, never gathered. Collectives: {_fmt_collectives(by_node.get(n.name, []))}")
+        elif isinstance(op, ops.VocabParallelLogsumexp):
+            L.append(f"- `{n.name}` logsumexp over dims {list(op.dims)}: **vocab-parallel**, `{n.args[0].name}` "
+                     f"stays sharded on dim {op.dim}, never gathered. Collectives: "
+                     f"{_fmt_collectives(by_node.get(n.name, []))}")
+        elif packet in (aten.cross_entropy_loss, aten.logsumexp):
+            what = "cross_entropy" if packet is aten.cross_entropy_loss else "logsumexp"
+            s = M.STRATEGY.get(n, None)
+            sharded = [p for p in (s.ins if s else ()) if isinstance(p, Shard)]
+            if sharded:
+                L.append(f"- `{n.name}` {what}: sharded on a dim it does not reduce ({sharded[0]!r}): runs on the "
+                         f"local shard, no collective")
+                continue
+            if packet is aten.cross_entropy_loss:
+                a = cross_entropy_args(n)
+                what += (f" (reduction={_REDUCTIONS.get(a['reduction'], a['reduction'])}, ignore_index="
+                         f"{a['ignore_index']}, label_smoothing={a['label_smoothing']})")
+                blockers = cross_entropy_blockers(n, t) if t > 1 else ["tp=1"]
+            elif t == 1:
+                blockers = ["tp=1"]
+            else:  # the rule on this node (its input is whole here, so its shapes are the global ones)
+                offered = logsumexp(n, RuleContext(program.mesh))
+                blockers = [] if any(o.lowering for o in offered) else ["no reduced dim can be sharded"]
+            why = (f"the vocab-parallel lowering does not apply ({'; '.join(blockers)})" if blockers
+                   else "the planner priced it below the vocab-parallel lowering")
+            found, producers = _gathers_feeding(gm, n.args[0], by_node)
+            whole = [f"`{u.name}` gathers `{recs[0].source}`: {_fmt_collectives(recs)}" for u, recs in found]
+            whole += [f"`{u.name}` computes them whole on every rank" for u in producers]
+            L.append(f"- `{n.name}` {what}: **replicated**, because {why}. Its input is whole on every rank: "
+                     + ("; ".join(whole) or "nothing to gather") + ".")
+    if len(L) == 2:
+        L.append("- no cross_entropy or logsumexp in the graph")
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    for u in dict.fromkeys(a for a in torch.utils._pytree.tree_leaves(out.args) if isinstance(a, torch.fx.Node)):
+        recs = [c for c in by_node.get(u.name, []) if c.phase == "fwd" and c.kind in ("all_gather", "all_reduce")]
+        if recs and (M.GLOBAL_SHAPE.get(u, None) or ()):
+            L.append(f"- returned `{recs[0].source}` {tuple(M.GLOBAL_SHAPE.get(u))} is made whole by `{u.name}`: "
+                     f"{_fmt_collectives(recs)}; a loss computed from it outside the model sees the exact full tensor")
+    return L + [""]
+
+
 def write_plan(program, dump_dir):
     """``plan.md``: collectives, parameter bytes per rank, fallbacks, and how long compiling took."""
     os.makedirs(dump_dir, exist_ok=True)
@@ -100,6 +198,9 @@ def write_plan(program, dump_dir):
     for p in program.params:
         L.append(f"| {p.name} | {p.spec!r} | {p.local_shape} | {p.global_shape} | {p.nbytes} |")
     L += ["", f"Parameter bytes on this rank: {sum(p.nbytes for p in program.params)}", ""]
+    if report is not None and report.attention:
+        L += ["## Attention", ""] + [f"- {a}" for a in report.attention] + [""]
+    L += loss_section(program)
     L += ["## Fallbacks (replicated because no sharding could be proven exact)", ""]
     if report is not None:
         L += [f"- node `{n}` has an op with no sharding rule: runs replicated" for n in report.unruled] or ["- none"]

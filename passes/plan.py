@@ -29,6 +29,7 @@ from autoshard.ir.options import CostModel
 from autoshard.ir.placement import DistSpec, P, Partial, R, Replicate, Shard, shardable
 from autoshard.ir.program import PlanReport
 from autoshard.ir.redistribute import volume
+from autoshard.passes.attention import attention_layouts, replicated_by_design
 from autoshard.passes.cost import collectives_time, flops, transition
 from autoshard.passes.rules import RuleContext, Strategy, block_hints, shard_options, strategies_for
 from autoshard.passes.shapes import shape_of, val
@@ -87,9 +88,11 @@ def partial_grad_use(strategy: Strategy, pos: int) -> bool:
     return isinstance(strategy.ins[pos], Replicate) and not isinstance(strategy.out, Replicate)
 
 
-def param_strategies(node, ctx, pins):
+def param_strategies(node, ctx, pins, replicated=frozenset()):
     shape = shape_of(node)
     name = M.NAME.get(node, None)
+    if name in replicated and name not in pins:
+        return [Strategy(R, ())]  # by design (attention.replicated_by_design): not priced as a lapse
     opts = [R] + shard_options(node, shape, ctx, allow_pad=False)
     if shape and not shardable(shape[0], ctx.t) and shardable(shape[0], ctx.t, allow_pad=True):
         opts.append(Shard(0))  # padded rows (vocab): consumers that accept it mask the tail
@@ -153,11 +156,11 @@ class Solution:
     variables: int
 
 
-def build_problem(gm, ctx: RuleContext, cm: CostModel, pins: dict, rg: dict) -> Problem:
+def build_problem(gm, ctx: RuleContext, cm: CostModel, pins: dict, rg: dict, replicated=frozenset()) -> Problem:
     strategies = {}
     for n in gm.graph.nodes:
         if n.op == "placeholder":
-            strategies[n] = (param_strategies(n, ctx, pins) if M.KIND.get(n, None) == "parameter"
+            strategies[n] = (param_strategies(n, ctx, pins, replicated) if M.KIND.get(n, None) == "parameter"
                              else [Strategy(R, ())])
         elif n.op == "call_function":
             strategies[n] = strategies_for(n, ctx)
@@ -259,7 +262,7 @@ def solve(prob: Problem, what: str) -> Solution:
     return Solution(choice, objective, time.perf_counter() - start, nvar)
 
 
-def apply_solution(gm, sol: Solution, ctx: RuleContext, rg: dict, unruled: list) -> PlanReport:
+def apply_solution(gm, sol: Solution, ctx: RuleContext, rg: dict, unruled: list, replicated=frozenset()) -> PlanReport:
     """Annotate every node with its strategy and spec; report what stayed replicated."""
     report = PlanReport(ctx.axis, ctx.t, sol.seconds, sol.objective, sol.variables, list(unruled))
     dependent = batch_dependent(gm)
@@ -268,7 +271,7 @@ def apply_solution(gm, sol: Solution, ctx: RuleContext, rg: dict, unruled: list)
         M.SPEC.set(n, DistSpec(dp=dp_placement(n, dependent)).with_axis(ctx.axis, choice.out))
         M.REQUIRES_GRAD.set(n, rg.get(n, False))
         if (M.KIND.get(n, None) == "parameter" and isinstance(choice.out, Replicate)
-                and len(shape_of(n) or ()) >= 2 and ctx.t > 1):
+                and len(shape_of(n) or ()) >= 2 and ctx.t > 1 and M.NAME.get(n) not in replicated):
             report.replicated_weights.append(M.NAME.get(n))
     return report
 
@@ -277,7 +280,11 @@ def plan_pass(gm, ctx):
     """Placements for every node on the tp axis, from the op rules and the ILP (``ctx``: the pass context)."""
     rctx = RuleContext(ctx.mesh, "tp", hints=block_hints(gm, ctx.mesh.tp))
     rg = requires_grad(gm)
-    prob = build_problem(gm, rctx, ctx.options.cost_model, ctx.options.pins, rg)
+    layouts = attention_layouts(gm, rctx.t)
+    replicated = replicated_by_design(layouts, rctx.t)
+    prob = build_problem(gm, rctx, ctx.options.cost_model, ctx.options.pins, rg, replicated)
     sol = solve(prob, f"tp={rctx.t}")
-    gm.meta[M.PLAN_REPORT] = apply_solution(gm, sol, rctx, rg, prob.unruled)
+    report = apply_solution(gm, sol, rctx, rg, prob.unruled, replicated)
+    report.attention = [lay.describe(rctx.t) for lay in layouts]
+    gm.meta[M.PLAN_REPORT] = report
     return gm

@@ -17,7 +17,7 @@ import operator
 import torch
 
 from autoshard.ir.placement import P, R, Shard, shardable
-from autoshard.passes.rules_vocab import cross_entropy, embedding
+from autoshard.passes.rules_vocab import cross_entropy, embedding, logsumexp
 from autoshard.passes.shapes import map_shard_through_view, shape_of, val
 from autoshard.passes.strategy import RuleContext, Strategy, _ins, _replicated, shard_options
 
@@ -355,7 +355,7 @@ RULES = {
     aten.sum: reduce_sum, aten.mean: reduce_sum,
     aten.layer_norm: layer_norm, aten.linear: linear, aten.mm: mm, aten.bmm: bmm, aten.matmul: matmul,
     aten.scaled_dot_product_attention: sdpa, aten.embedding: embedding,
-    aten.cross_entropy_loss: cross_entropy,
+    aten.cross_entropy_loss: cross_entropy, aten.logsumexp: logsumexp,
 }
 VIEW_OPS = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
 

@@ -24,6 +24,7 @@ from autoshard.ir import ops
 from autoshard.ir.placement import Replicate, Shard, local_shape, shard_range
 from autoshard.passes.plan import partial_grad_use
 from autoshard.passes.rules import VIEW_OPS, _split_sizes
+from autoshard.passes.rules_vocab import cross_entropy_args, logsumexp_dims
 from autoshard.passes.shapes import shape_of, val
 
 aten = torch.ops.aten
@@ -131,7 +132,8 @@ def _sole_reader(u):
         if len(u.users) != 1 or u.op != "call_function":
             return False
         if getattr(u.target, "overloadpacket", None) not in VIEW_OPS | {aten.alias}:
-            return getattr(u.target, "overloadpacket", None) in (aten.linear, aten.mm, aten.matmul, aten.addmm)
+            return getattr(u.target, "overloadpacket", None) in (aten.linear, aten.mm, aten.matmul, aten.addmm,
+                                                                 aten._to_copy)  # a fresh tensor either way
         u = u.args[0]
 
 
@@ -146,12 +148,18 @@ def _lower(g, n, s, args, kwargs, t, rank, add_module):
     if s.lowering == "vocab_parallel_cross_entropy":
         rows, vocab = shape_of(n.args[0])
         start, valid = _vocab_range(vocab, t, rank)
-        reduction = args[3] if len(args) > 3 else kwargs.get("reduction", 1)
-        ignore = args[4] if len(args) > 4 else kwargs.get("ignore_index", -100)
-        mod = ops.VocabParallelCrossEntropy("tp", t, rows, start, valid, ignore, reduction,
-                                            inplace=_sole_reader(n.args[0]))
+        a = cross_entropy_args(n)
+        mod = ops.VocabParallelCrossEntropy("tp", t, rows, start, valid, a["ignore_index"], a["reduction"],
+                                            inplace=_sole_reader(n.args[0]),
+                                            label_smoothing=a["label_smoothing"], vocab=vocab)
         name = add_module("vocab_cross_entropy", mod)
         return g.call_module(name, args[:2])
+    if s.lowering == "vocab_parallel_logsumexp":
+        dims, keepdim = logsumexp_dims(n)
+        dim = s.ins[0].dim
+        _, valid = _vocab_range(shape_of(n.args[0])[dim], t, rank)
+        mod = ops.VocabParallelLogsumexp("tp", t, shape_of(n), dims, keepdim, dim, valid)
+        return g.call_module(add_module("vocab_logsumexp", mod), (args[0],))
     if packet in VIEW_OPS:
         args = (args[0], list(local_shape(shape_of(n), s.out, t))) + tuple(args[2:])
         if packet is not aten.expand:

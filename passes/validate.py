@@ -13,6 +13,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.ir import meta as M
+from autoshard.passes.attention import attention_layouts
 
 aten = torch.ops.aten
 
@@ -28,20 +29,18 @@ def module_path(node) -> str:
 
 
 def check_heads_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    """Attention heads must divide evenly over tp: say which module, how many heads, and what works."""
+    """Query heads must divide evenly over tp (sdpa and eager attention alike): say which module, how many
+    heads, and which tp sizes work. Dropout in a replicated region warns."""
     t = ctx.mesh.tp
     if t == 1:
         return gm
+    for lay in attention_layouts(gm, t):
+        if lay.q_heads % t:
+            ok = [d for d in range(1, lay.q_heads + 1) if lay.q_heads % d == 0]
+            raise ValueError(f"attention in '{lay.module}' has {lay.q_heads} heads, which tp={t} does not divide: "
+                             f"tensor parallelism splits attention by heads; use tp in {ok}")
     for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        if n.target is aten.scaled_dot_product_attention.default:
-            shape = tuple(n.args[0].meta["val"].shape)
-            if len(shape) == 4 and shape[1] % t:  # (B, L, E) has no head dim: sharded by batch or not at all
-                ok = [d for d in range(1, shape[1] + 1) if shape[1] % d == 0]
-                raise ValueError(f"attention in '{module_path(n)}' has {shape[1]} heads, which tp={t} does not "
-                                 f"divide: tensor parallelism splits attention by heads; use tp in {ok}")
-        elif n.target is aten.dropout.default:
+        if n.op == "call_function" and n.target is aten.dropout.default:
             p, train = (list(n.args[1:3]) + [0.5, True])[:2]
             if p > 0 and train:
                 warnings.warn(f"'{module_path(n)}' has dropout with p={p}: replicated activations stay identical "

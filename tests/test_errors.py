@@ -89,3 +89,9 @@ def test_runtime_rejects_other_shapes_and_structures():
         pm(torch.zeros(3, 8, dtype=torch.long), torch.zeros(3, 8, dtype=torch.long))
     with pytest.raises(TypeError, match="do not match the example inputs"):
         pm(args[0])
+
+
+def test_heads_not_divisible_in_eager_attention():
+    model = build("gpt", n_layer=1, n_head=4, flash=False)   # matmul -> softmax -> matmul, no sdpa
+    with pytest.raises(ValueError, match=r"'transformer.h.0.attn' has 4 heads, which tp=3 does not divide"):
+        autoshard.compile_rank(model, {"tp": 3}, 0, *batch("gpt", 96))

@@ -41,23 +41,27 @@ def test_redistribution_runs_exactly_its_plan(t):
         if src == dst:
             continue
         transforms = plan_redistribute(src, dst, shape, "tp", t)
-        planned = sorted((s.phase, s.kind) for s in redistribute_steps(transforms, True, shape, ""))
+        steps = redistribute_steps(transforms, True, shape, "", t)
+        planned = sorted((s.phase, s.kind) for s in steps)
+        planned_bytes = sum(s.numel for s in steps) * full.element_size()
 
         def body(rank, comms):
             comm = comms["tp"]
             x = _full_to_local(full, src, rank, t).requires_grad_()
             y = redistribute(x, transforms, comm)
             y.backward(torch.ones_like(y))
-            return y.detach(), sorted((ph, k) for (_, ph, k), n in comm.tracer.calls.items() for _ in range(n))
+            return y.detach(), sorted((ph, k) for (_, ph, k), n in comm.tracer.calls.items() for _ in range(n)), \
+                sum(comm.tracer.bytes.values())
 
         results = run_ranks(mesh, body)
-        for rank, (y, ran) in enumerate(results):
+        for rank, (y, ran, nbytes) in enumerate(results):
             assert ran == planned, (src, dst, rank, ran, planned)
+            assert nbytes == planned_bytes, (src, dst, rank, nbytes, planned_bytes)   # padding included
             if dst != P:
                 want = _full_to_local(full, dst, rank, t)
                 assert y.shape == local_shape(shape, dst, t) and torch.equal(y, want), (src, dst, rank)
         if dst == P:
-            assert torch.allclose(sum(y for y, _ in results), full), (src, dst)
+            assert torch.allclose(sum(y for y, _, _ in results), full), (src, dst)
 
 
 def test_simulator_runs_a_two_axis_mesh():

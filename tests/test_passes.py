@@ -158,3 +158,26 @@ def test_rewrite_fuse_bias_and_overlap_node_counts(fused):
     assert ops["aten.add.Tensor"] == 2 * L + 2 * L + 1                    # row biases, residuals, embeddings
     linears_with_bias = [n for n in prog.gm.graph.nodes if n.target is aten.linear.default and len(n.args) == 3]
     assert len(linears_with_bias) == (0 if fused else 3 * L)              # (fused ones live in the modules)
+
+
+@pytest.mark.parametrize("kv_heads, tp, kv_placement", [(2, 2, Shard(0)), (2, 4, R), (1, 2, R)])
+def test_gqa_kv_heads_sharded_or_replicated(kv_heads, tp, kv_placement, tmp_path):
+    """tp divides the kv heads: they shard with the query heads. It does not (GQA with fewer kv heads than
+    ranks, multi-query): the k/v projections are replicated and plan.md says why. Either way the query
+    projection is column-parallel and the output projection row-parallel."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=kv_heads,
+                                         max_position_embeddings=32))
+    ids = torch.randint(0, 64, (2, 8))
+    prog = autoshard.compile_rank(model, {"tp": tp}, 0, (), dict(input_ids=ids, labels=ids, use_cache=False),
+                                  options=autoshard.CompileOptions(dump=str(tmp_path)))
+    spec = {p.name: p.spec.tp for p in prog.params}
+    attn = "model.layers.0.self_attn"
+    assert spec[f"{attn}.q_proj.weight"] == Shard(0) and spec[f"{attn}.o_proj.weight"] == Shard(1)
+    assert spec[f"{attn}.k_proj.weight"] == spec[f"{attn}.v_proj.weight"] == kv_placement
+    assert prog.report.replicated_weights == []        # by design, not reported as a fallback
+    plan = (tmp_path / "plan.md").read_text()
+    assert f"4 query heads, {kv_heads} kv heads at tp={tp}" in plan
+    assert ("k/v projections replicated" in plan) == (kv_placement == R)

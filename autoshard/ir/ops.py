@@ -1,6 +1,6 @@
 """The parallel ops a compiled graph calls: data, not runtime objects.
 
-The tensor-parallel rewrite inserts each collective (and the two vocab-parallel lowerings) as a
+The tensor-parallel rewrite inserts each collective (and the three vocab-parallel lowerings) as a
 ``call_module`` node whose module is one of these records. A record names the mesh axis it communicates
 on and holds its static arguments; its ``forward`` only computes shapes on ``meta`` tensors (what the
 ``validate`` pass runs). The runtime binds each record to the communicator of its axis when a program is
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from autoshard.ir.placement import Placement, local_shape
 from autoshard.ir.redistribute import (copy_to_parallel_steps, plan_redistribute, redistribute_steps,
-                                       vocab_parallel_cross_entropy_steps)
+                                       vocab_parallel_cross_entropy_steps, vocab_parallel_logsumexp_steps)
 
 
 class NotBoundError(RuntimeError):
@@ -58,7 +58,8 @@ class Redistribute(ParallelOp):
         return x.new_empty(local_shape(self.shape, self.dst, self.size))
 
     def steps(self):
-        return redistribute_steps(self.transforms, self.requires_grad, self.shape, f"{self.src!r} -> {self.dst!r}")
+        return redistribute_steps(self.transforms, self.requires_grad, self.shape, f"{self.src!r} -> {self.dst!r}",
+                                  self.size)
 
     def extra_repr(self):
         return f"{self.src!r} -> {self.dst!r} on {self.axis}, global shape {self.shape}: {list(self.transforms)}"
@@ -114,20 +115,54 @@ class VocabParallelEmbedding(ParallelOp):
 
 
 class VocabParallelCrossEntropy(ParallelOp):
-    """Cross-entropy of ``rows`` logits sharded by vocab on ``axis``; never gathers the logits."""
+    """Cross-entropy of ``rows`` logits sharded by vocab on ``axis``; never gathers the logits.
+
+    ``label_smoothing`` (torch's ``eps``) mixes in the uniform distribution over the ``vocab`` real
+    classes; it adds one row statistic (the row sum of the logits) to the stacked all-reduce."""
 
     def __init__(self, axis, size, rows: int, start: int, valid: int, ignore_index=-100, reduction=1,
-                 inplace=False):
+                 inplace=False, label_smoothing: float = 0.0, vocab: int | None = None):
         super().__init__(axis, size)
         self.rows, self.start, self.valid = rows, start, valid
         self.ignore_index, self.reduction, self.inplace = ignore_index, reduction, inplace
+        self.label_smoothing, self.vocab = float(label_smoothing), vocab
+        if self.label_smoothing and vocab is None:
+            raise ValueError("a label-smoothed vocab-parallel cross-entropy needs the global vocab size")
+
+    @property
+    def stats(self) -> int:
+        """Row statistics in the stacked all-reduce: sum of exps, target logit (, row sum of logits)."""
+        return 3 if self.label_smoothing else 2
 
     def meta_forward(self, logits, target):
         return logits.new_empty(() if self.reduction != 0 else target.shape)
 
     def steps(self):
-        return vocab_parallel_cross_entropy_steps(self.axis, self.rows)
+        return vocab_parallel_cross_entropy_steps(self.axis, self.rows, self.stats)
 
     def extra_repr(self):
-        return (f"vocab [{self.start}, {self.start + self.valid}) on {self.axis}, reduction={self.reduction}"
+        return (f"vocab [{self.start}, {self.start + self.valid}) on {self.axis}, reduction={self.reduction}, "
+                f"ignore_index={self.ignore_index}"
+                + (f", label_smoothing={self.label_smoothing} over {self.vocab} classes" if self.label_smoothing else "")
                 + (", in place on the logits" if self.inplace else ""))
+
+
+class VocabParallelLogsumexp(ParallelOp):
+    """``logsumexp`` over ``dims`` of a tensor sharded on ``dim`` (one of them) on ``axis``; the rank holds
+    ``valid`` real entries of that dim (the rest of its shard is padding). Output of global ``shape``,
+    replicated; backward is local (softmax times the output gradient on this rank's shard)."""
+
+    def __init__(self, axis, size, shape, dims, keepdim: bool, dim: int, valid: int):
+        super().__init__(axis, size)
+        self.shape, self.dims, self.keepdim = tuple(shape), tuple(dims), bool(keepdim)
+        self.dim, self.valid = dim, valid
+
+    def meta_forward(self, x):
+        return torch.logsumexp(x, self.dims, self.keepdim)
+
+    def steps(self):
+        return vocab_parallel_logsumexp_steps(self.axis, self.shape)
+
+    def extra_repr(self):
+        return (f"logsumexp over dims {list(self.dims)} sharded on dim {self.dim} ({self.valid} real) on "
+                f"{self.axis}, output {self.shape}")

@@ -75,6 +75,7 @@ class PlanReport:
     variables: int = 0
     unruled: list = field(default_factory=list)             # node names replicated for want of a rule
     replicated_weights: list = field(default_factory=list)  # weight names left replicated
+    attention: list = field(default_factory=list)           # per attention: heads, kv heads, what tp does
 
 
 @dataclass

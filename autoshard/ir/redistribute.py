@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from autoshard.ir.placement import Partial, Placement, Replicate, Shard
+from autoshard.ir.placement import Partial, Placement, Replicate, Shard, local_size
 
 FWD, BWD = "fwd", "bwd"
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -97,10 +97,17 @@ def plan_redistribute(src: Placement, dst: Placement, shape, axis: str, size: in
     return (Transform("to_partial", axis),)
 
 
-def redistribute_steps(transforms, requires_grad: bool, shape, what: str) -> list:
-    """The ``CommStep`` list of a planned redistribution."""
-    return [CommStep(phase, kind, t.axis, tuple(shape), what)
-            for t in transforms for phase, kind in t.collectives(requires_grad)]
+def redistribute_steps(transforms, requires_grad: bool, shape, what: str, size: int) -> list:
+    """The ``CommStep`` list of a planned redistribution. A gather or scatter of a padded dim moves the
+    padding too (``size`` chunks of ``ceil(n / size)``), so its step says so."""
+    steps = []
+    for t in transforms:
+        moved = list(shape)
+        if t.dim is not None:
+            moved[t.dim] = local_size(t.length, size, t.blocks) * size
+        steps += [CommStep(phase, kind, t.axis, tuple(moved if kind != "all_reduce" else shape), what)
+                  for phase, kind in t.collectives(requires_grad)]
+    return steps
 
 
 def copy_to_parallel_steps(axis: str, shape) -> list:
@@ -108,12 +115,21 @@ def copy_to_parallel_steps(axis: str, shape) -> list:
     return [CommStep(BWD, "all_reduce", axis, tuple(shape), "f (gradient of a replicated input)")]
 
 
-def vocab_parallel_cross_entropy_steps(axis: str, rows: int) -> list:
+def vocab_parallel_cross_entropy_steps(axis: str, rows: int, stacked: int = 2) -> list:
     """The vocab-parallel cross-entropy's traffic: all-reduce(MAX) of the row max, then one all-reduce of
-    the stacked (sum of exps, target logit). The logits are never gathered."""
+    the ``stacked`` row statistics: (sum of exps, target logit), plus the row sum of the logits when the
+    loss is label-smoothed (``stacked=3``). The logits are never gathered."""
+    stats = {2: "sum of exps and target logit", 3: "sum of exps, target logit and row sum of logits"}[stacked]
     return [CommStep(FWD, "all_reduce", axis, (rows,), "loss: row max", itemsize=4),
-            CommStep(FWD, "all_reduce", axis, (rows,), "loss: sum of exps and target logit (stacked)", itemsize=4,
-                     stacked=2)]
+            CommStep(FWD, "all_reduce", axis, (rows,), f"loss: {stats} (stacked)", itemsize=4,
+                     stacked=stacked)]
+
+
+def vocab_parallel_logsumexp_steps(axis: str, shape) -> list:
+    """``logsumexp`` over a sharded (vocab) dim, output of global ``shape``: all-reduce(MAX) of the local
+    maxima, then all-reduce(SUM) of the local sums of exps (fp32). Backward is local: the input never moves."""
+    return [CommStep(FWD, "all_reduce", axis, tuple(shape), "logsumexp: max", itemsize=4),
+            CommStep(FWD, "all_reduce", axis, tuple(shape), "logsumexp: sum of exps", itemsize=4)]
 
 
 def volume(kind: str, nbytes, size: int):

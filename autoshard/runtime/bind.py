@@ -34,7 +34,11 @@ def _vocab_parallel_embedding(op, comm, weight, idx):
 
 def _vocab_parallel_cross_entropy(op, comm, logits, target):
     return L.VocabParallelCrossEntropy.apply(logits, target, comm, op.start, op.valid, op.ignore_index,
-                                            op.reduction, op.inplace)
+                                            op.reduction, op.inplace, op.label_smoothing, op.vocab)
+
+
+def _vocab_parallel_logsumexp(op, comm, x):
+    return L.VocabParallelLogsumexp.apply(x, comm, op.dims, op.keepdim, op.dim, op.valid)
 
 
 IMPLEMENTATIONS = {
@@ -43,6 +47,7 @@ IMPLEMENTATIONS = {
     ops.ColumnParallelMatmul: _column_parallel_matmul,
     ops.VocabParallelEmbedding: _vocab_parallel_embedding,
     ops.VocabParallelCrossEntropy: _vocab_parallel_cross_entropy,
+    ops.VocabParallelLogsumexp: _vocab_parallel_logsumexp,
 }
 
 

@@ -1,0 +1,122 @@
+"""Attention layout: how many query and kv heads each attention has, and what tp does with the kv heads.
+
+Found from the graph, not from module names. An attention is a ``scaled_dot_product_attention``, or
+eager attention's ``matmul(q, k^T) -> ... -> softmax -> matmul(p, v)``. Its query heads are dim 1 of
+q ``(B, nh, T, hd)``. Walking back from k and v (through repeat_kv's unsqueeze/expand/reshape, rotary's
+pointwise ops and the head-splitting view) reaches the projection whose weight makes them; the kv
+heads are that projection's width over ``hd``.
+
+- tp divides the kv heads: the planner shards them like the query heads (each rank's query heads use
+  kv heads on the same rank, since repeat_kv keeps kv head ``j // (nh / nkv)`` beside query head ``j``);
+- tp does not divide them (2 kv heads at tp=4, multi-query with 1): the kv projections are replicated
+  on every rank, as Megatron and vLLM do, and each rank slices the kv heads its query heads use. Their
+  gradient arrives whole on every rank (the slice's backward all-gathers it), which is the gradient
+  invariant of a replicated weight, not a special case. Without this the planner would shard the
+  whole attention by hidden columns (row-parallel q, k, v and o: 7 reduce-scatters per layer);
+- q, k and v from one fused weight: the planner decides (blocked shards); reported as such.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from autoshard.ir import meta as M
+from autoshard.passes.shapes import shape_of
+
+aten = torch.ops.aten
+_PROJECTIONS = {aten.linear, aten.mm, aten.addmm, aten.matmul}
+_SOFTMAX = {aten._softmax, aten.softmax}
+
+
+@dataclass
+class AttentionLayout:
+    node: str                       # the attention node (sdpa or the QK^T matmul)
+    module: str                     # its module path
+    q_heads: int
+    kv_heads: int | None            # None when no kv projection was found
+    kv_weights: list = field(default_factory=list)   # parameter names of the k/v projections
+    decision: str = ""
+
+    def describe(self, t: int) -> str:
+        kv = "?" if self.kv_heads is None else self.kv_heads
+        return f"`{self.module}`: {self.q_heads} query heads, {kv} kv heads at tp={t}: {self.decision}"
+
+
+def _module(node):
+    stack = node.meta.get("nn_module_stack") or {}
+    return next(reversed(stack.values()))[0] if stack else node.name
+
+
+def _weights_behind(node, limit=40):
+    """Parameters of the projections that ``node`` is computed from (stopping at each projection)."""
+    found, seen, todo = [], set(), [node]
+    while todo and len(seen) < limit:
+        n = todo.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if getattr(n.target, "overloadpacket", None) in _PROJECTIONS:
+            weights = [a for a in n.all_input_nodes if a.op == "placeholder" and M.KIND.get(a, None) == "parameter"]
+            found += [w for w in weights if len(shape_of(w)) == 2]
+            continue
+        todo += n.all_input_nodes
+    return found
+
+
+def _attentions(gm):
+    """``(node, q, k, v)`` for every attention in the graph."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is aten.scaled_dot_product_attention.default:
+            yield n, n.args[0], n.args[1], n.args[2]
+        elif getattr(n.target, "overloadpacket", None) is aten.matmul and len(shape_of(n) or ()) == 4:
+            scores = _softmax_of(n)
+            if scores is None:
+                continue
+            pv = next((u for u in _descendants(scores) if getattr(u.target, "overloadpacket", None) is aten.matmul), None)
+            if pv is not None:
+                yield n, n.args[0], n.args[1], pv.args[1]
+
+
+def _descendants(n, depth=4):
+    out, frontier = [], [n]
+    for _ in range(depth):
+        frontier = [u for f in frontier for u in f.users]
+        out += frontier
+    return out
+
+
+def _softmax_of(matmul):
+    return next((u for u in _descendants(matmul) if getattr(u.target, "overloadpacket", None) in _SOFTMAX), None)
+
+
+def attention_layouts(gm, t: int) -> list:
+    layouts = []
+    for n, q, k, v in _attentions(gm):
+        qs = shape_of(q)
+        if qs is None or len(qs) != 4:
+            continue
+        heads, hd = qs[1], qs[-1]
+        q_w = {w.name for w in _weights_behind(q)}
+        kv = [w for w in _weights_behind(k) + _weights_behind(v) if w.name not in q_w]
+        lay = AttentionLayout(n.name, _module(n), heads, None, sorted({M.NAME.get(w) for w in kv}))
+        widths = {shape_of(w)[0] if shape_of(w)[0] % hd == 0 else shape_of(w)[1] for w in kv}
+        if not kv or len(widths) != 1:
+            lay.decision = "q, k and v come from one fused projection: the planner shards it per block where exact"
+        else:
+            lay.kv_heads = widths.pop() // hd
+            if lay.kv_heads % t == 0:
+                lay.decision = f"kv heads sharded with the query heads ({lay.kv_heads // t} per rank)"
+            else:
+                lay.decision = (f"tp={t} does not divide {lay.kv_heads} kv heads: k/v projections replicated on "
+                                "every rank (Megatron's and vLLM's kv replication); each rank slices the kv heads "
+                                "its query heads use")
+        layouts.append(lay)
+    return layouts
+
+
+def replicated_by_design(layouts, t: int) -> set:
+    """Weights that stay replicated because tp does not divide their attention's kv heads."""
+    return {w for lay in layouts if lay.kv_heads is not None and lay.kv_heads % t for w in lay.kv_weights}
