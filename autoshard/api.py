@@ -3,12 +3,16 @@
 This is the one module in ``autoshard/`` that runs the compiler (``autoshard.passes``); the runtime never
 imports it. ``compile_rank`` is process-free (compile-only runs: dumps and unit tests of any rank of any
 mesh); ``parallelize`` calls it for this process's rank and instantiates the program as a
-``ParallelModule`` bound to the mesh's process groups.
+``ParallelModule`` bound to the mesh's process groups, handing it a compiler for new shapes and modes.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import time
+from contextlib import contextmanager
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -23,10 +27,40 @@ from autoshard.passes.manager import PassContext, check_pass_list, run_passes
 from autoshard.runtime.comm import comms_for_mesh
 from autoshard.runtime.module import ParallelModule
 
+COMPUTE_DTYPES = {"bf16": torch.bfloat16}
+
+
+def compute_twin(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A weightless copy of ``model`` whose floating parameters are ``dtype`` on ``meta``: what a mixed-
+    precision program is traced from (the real fp32 parameters stay in the ``ParallelModule``). Buffers
+    keep their dtype (rotary tables stay fp32, as the model computes them)."""
+    memo = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta", dtype=dtype if p.is_floating_point() else p.dtype),
+                                   requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+@contextmanager
+def _mode(model: nn.Module, training):
+    if training is None or training == model.training:
+        yield
+        return
+    was = model.training
+    model.train(training)
+    try:
+        yield
+    finally:
+        model.train(was)
+
 
 def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwargs=None,
-                 options: CompileOptions | None = None, captured: Captured | None = None) -> Program:
-    """Compile ``model`` for global ``rank`` of ``mesh`` (a DeviceMesh, a MeshSpec or ``{"tp": 4}``).
+                 options: CompileOptions | None = None, captured: Captured | None = None,
+                 training: bool | None = None) -> Program:
+    """Compile ``model`` for global ``rank`` of ``mesh`` (a DeviceMesh, a MeshSpec or ``{"tp": 4}``), in
+    ``training`` mode (default: the model's current mode).
 
     No collective runs and no process group is touched: the program's parallel ops name their mesh axis
     and are bound when it is instantiated (``ParallelModule(program, model, comms)``).
@@ -39,7 +73,10 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
     spec.coords(rank)  # a clear error for a rank outside the mesh
     check_pass_list(options.disable)
     start = time.perf_counter()
-    captured = captured or capture(model, tuple(example_args), dict(example_kwargs or {}))
+    if captured is None:
+        traced = compute_twin(model, COMPUTE_DTYPES[options.mixed_precision]) if options.mixed_precision else model
+        with _mode(traced, training if training is not None else model.training):
+            captured = capture(traced, tuple(example_args), dict(example_kwargs or {}))
     out = dump_dir(options.dump)
     if out and rank != 0:
         out = f"{out}/rank{rank}"
@@ -55,24 +92,35 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
 
 def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *, pins: dict | None = None,
                 loss_only: bool = False, dump: str | None = None, cost_model=None, disable=(),
+                mixed_precision: str | None = None, max_programs: int = 8,
                 options: CompileOptions | None = None) -> ParallelModule:
     """Tensor-parallel ``model`` over ``mesh["tp"]``: an ``nn.Module`` holding this rank's shards.
 
-    ``example_args``/``example_kwargs`` are traced once (their shapes are the shapes the program runs);
-    ``pins`` maps parameter names to placements (``{"lm_head.weight": Replicate()}``); ``loss_only``
-    returns None for the logits so they are never gathered; ``dump`` (or ``AUTOSHARD_DUMP``) writes the
-    pass dumps and ``plan.md``; ``disable`` names passes to skip. The keywords build one
-    ``CompileOptions``; pass ``options=`` instead to give it whole.
+    ``example_args``/``example_kwargs`` are traced first; other shapes, and the other of train/eval
+    mode, compile their own program on first use (at most ``max_programs`` are kept). ``pins`` maps
+    parameter names to placements (``{"lm_head.weight": Replicate()}``); ``loss_only`` returns None for
+    the logits so they are never gathered; ``mixed_precision="bf16"`` keeps fp32 parameters and
+    gradients and computes in bf16; ``dump`` (or ``AUTOSHARD_DUMP``) writes the pass dumps and
+    ``plan.md``; ``disable`` names passes to skip. The keywords build one ``CompileOptions``; pass
+    ``options=`` instead to give it whole.
     """
     if options is None:
-        options = CompileOptions(pins=pins or {}, loss_only=loss_only, dump=dump, disable=disable)
+        options = CompileOptions(pins=pins or {}, loss_only=loss_only, dump=dump, disable=disable,
+                                 mixed_precision=mixed_precision)
         if cost_model is not None:
             options.cost_model = cost_model
     spec = mesh_spec(mesh)
-    if spec.size > 1 and not hasattr(mesh, "get_group"):
+    real_mesh = hasattr(mesh, "get_group")
+    if spec.size > 1 and not real_mesh:
         raise ValueError("parallelize needs a DeviceMesh from autoshard.init_mesh for more than one rank; "
                          "use autoshard.compile_rank for compile-only runs")
     rank = dist.get_rank() if dist.is_initialized() else 0
     prog = compile_rank(model, spec, rank, example_args, example_kwargs, options)
+
+    def compiler(args, kwargs, training, pinned):
+        later = dataclasses.replace(options, pins={**pinned, **options.pins}, dump=None)
+        return compile_rank(model, spec, rank, args, kwargs, later, training=training)
+
     comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
-    return ParallelModule(prog, model, comms)
+    tp_mesh = mesh["tp"] if real_mesh else None
+    return ParallelModule(prog, model, comms, tp_mesh, compiler, max_programs)

@@ -213,6 +213,8 @@ def _bench_rank(rank, world, job):
         t0 = time.perf_counter()
         if not (v.rank0_only and rank != 0):
             v.step(idx, tgt)
+            if job["optimizer"]:
+                v.optimizer_step()
             _sync(device)
         dt = time.perf_counter() - t0
         return dt if not (v.rank0_only and rank != 0) else 0.0
@@ -352,6 +354,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="untimed steps per variant first")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--optimizer", action="store_true",
+                   help="time an AdamW step with each forward+backward (each variant on its own parameters)")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="also write the top ROWS ops (self CPU time) of each variant on rank 0")
     p.add_argument("--out", default=OUT, help="directory for tp_results.{md,json,png}; 'none' writes nothing")
@@ -379,7 +383,7 @@ def main(argv=None) -> dict:
         for vocab in args.vocab:
             job = dict(vocab=vocab, layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
                        batch=args.batch, steps=args.steps, warmup=args.warmup, seed=args.seed, variants=variants,
-                       profile=args.profile)
+                       profile=args.profile, optimizer=args.optimizer)
             print(f"[benchmarks.tp] tp={tp} vocab={vocab}: {args.warmup} warm-up + {args.steps} timed steps "
                   f"x {len(variants)} variants on {tp} {backend()} ranks ...", flush=True)
             t0 = time.perf_counter()

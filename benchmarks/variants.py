@@ -6,8 +6,9 @@
 - ``dtensor``: PyTorch ``parallelize_module`` with a Colwise/Rowwise plan and ``loss_parallel``;
 - ``autoshard``: ``autoshard.parallelize(..., loss_only=True)``.
 
-Each variant exposes ``step(idx, targets, tracer=None) -> loss`` (forward + backward, no optimizer step),
-``zero_grad()``, ``loss_value(loss)`` and ``local_param_bytes()``.
+Each variant exposes ``step(idx, targets, tracer=None) -> loss`` (forward + backward), ``optimizer_step()``
+(an AdamW step over the variant's own parameters: DTensors for DTensor and autoshard, plain tensors for
+Megatron), ``zero_grad()``, ``loss_value(loss)`` and ``local_param_bytes()``.
 """
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ class Variant:
 
     def __init__(self, module: nn.Module):
         self.module = module
+        self.opt = None
+
+    def optimizer_step(self):
+        if self.opt is None:
+            self.opt = torch.optim.AdamW(self.module.parameters(), lr=1e-4)
+        self.opt.step()
 
     def forward_loss(self, idx, tgt):
         return self.module(idx, tgt)[1]

@@ -8,6 +8,9 @@ table: one row per op, a function that emits the replacement. An op is supported
 In-place ops (Falcon's ``mlp_out += attn_out``, eager attention's ``scores /= ...``) become their
 out-of-place form when the value they write is an op result that no view aliases; later reads of it
 read the new node. Without this, a sharded collective output could be written in place.
+
+Under ``mixed_precision`` the program is traced in bf16; the losses in ``FP32_OPS`` get their input
+cast to fp32 first, as autocast does (and as Megatron computes its loss), so the loss is an fp32 number.
 """
 from __future__ import annotations
 
@@ -109,11 +112,31 @@ def _functionalize(g, n) -> bool:
     return True
 
 
+FP32_OPS = {aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.log_softmax, aten._log_softmax,
+            aten.logsumexp, aten.mse_loss}
+
+
+def _loss_in_fp32(g, n):
+    x = n.args[0]
+    v = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if not isinstance(v, torch.Tensor) or v.dtype not in (torch.bfloat16, torch.float16):
+        return
+    with g.inserting_before(n):
+        up = _emit(g, aten._to_copy.default, (x,), n)
+    up.kwargs = {"dtype": torch.float32}
+    up.meta["val"] = torch.empty(v.shape, dtype=torch.float32, device="meta")
+    n.replace_input_with(x, up)
+    n.meta["val"] = n.target(*[_meta(a) for a in n.args], **n.kwargs)
+
+
 def canonicalize_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
     g = gm.graph
+    mixed = ctx is not None and ctx.options.mixed_precision
     for n in list(g.nodes):
         if n.op != "call_function":
             continue
+        if mixed and getattr(n.target, "overloadpacket", None) in FP32_OPS:
+            _loss_in_fp32(g, n)
         if n.target in REWRITES:
             with g.inserting_before(n):
                 new = REWRITES[n.target](g, n)

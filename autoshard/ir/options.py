@@ -4,6 +4,7 @@
 |-----------------------|---------------------------------------------------------------------|
 | ``AUTOSHARD_DUMP``    | directory for pass dumps and ``plan.md`` (same as ``dump=``)        |
 | ``AUTOSHARD_TIMEOUT`` | seconds before a collective gives up (process-group timeout), 300   |
+| ``AUTOSHARD_CHECK_REPLICAS`` | every N training forwards, compare replicated parameters across ranks |
 | ``CompileOptions``    | the one typed options object ``parallelize`` builds and passes see  |
 | ``CostModel``         | machine constants the planner prices plans with                     |
 """
@@ -48,7 +49,11 @@ class CompileOptions:
     cost_model: CostModel = field(default_factory=CostModel)
     disable: tuple = ()                               # pass names to skip (bisecting)
     dump: str | None = None                           # directory for pass dumps (or AUTOSHARD_DUMP)
+    mixed_precision: str | None = None                # "bf16": fp32 parameters, bf16 compute
 
     def __post_init__(self):
         self.pins = dict(self.pins or {})
         self.disable = tuple(self.disable or ())
+        if self.mixed_precision not in (None, "bf16"):
+            raise ValueError(f"mixed_precision={self.mixed_precision!r}: the supported value is 'bf16' (fp32 "
+                             "parameters and gradients, bf16 compute, fp32 loss reductions), or None")

@@ -1,10 +1,19 @@
-"""``ParallelModule``: the user-facing module holding one rank's program and its parameter shards."""
+"""``ParallelModule``: the user-facing module holding one rank's parameters and its compiled programs.
+
+A program is compiled for one set of input shapes, dtypes, non-tensor values and one mode (train or
+eval: dropout and anything else export bakes in). ``forward`` looks the call up in a bounded cache and,
+on a miss, compiles a new program through ``compiler`` (a callable the API hands in; the runtime never
+imports the compiler), with every parameter pinned to the placement it already has, so all programs
+share the same shards. As ``torch.compile`` does on a new shape, and logged.
+"""
 from __future__ import annotations
 
-import copy
 import hashlib
-import warnings
-import zlib
+import logging
+import os
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -12,29 +21,40 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from autoshard.ir import meta as M
-from autoshard.ir.placement import Shard
 from autoshard.ir.program import Program
+from autoshard.runtime import training
 from autoshard.runtime.bind import bind
 from autoshard.runtime.comm import AxisComm, Tracer
-from autoshard.runtime.layout import gather_full, take_shard
+from autoshard.runtime.params import ShardedParameters, key
+
+log = logging.getLogger("autoshard")
 
 
-def _key(name):
-    return name.replace(".", "__")
+@dataclass(frozen=True)
+class ProgramKey:
+    """What a compiled program is specific to."""
+    training: bool
+    inputs: tuple         # per flattened leaf: (shape, dtype) of a tensor, or the value itself
+    structure: str        # the pytree spec of (args, kwargs)
+
+
+def program_key(training: bool, leaves, spec) -> ProgramKey:
+    sig = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves)
+    return ProgramKey(bool(training), sig, str(spec))
 
 
 class ParallelModule(nn.Module):
-    """Runs one rank's compiled program; its parameters are this rank's shards (any torch optimizer).
+    """Runs this rank's compiled programs on its parameter shards (any torch optimizer).
 
     ``forward`` takes the same inputs as the original model and returns the same structure.
-    ``full_state_dict()`` gathers the original names and full shapes; ``load_full_state_dict`` slices.
-    ``comms`` maps each mesh axis to this rank's ``AxisComm`` (``None``: single-rank communicators, for
-    compile-only programs of a one-rank mesh).
+    ``comms`` maps each mesh axis to this rank's ``AxisComm`` (``None``: single-rank communicators);
+    ``tp_mesh`` (a 1-D DeviceMesh) makes the parameters DTensors; ``compiler(args, kwargs, training,
+    pins)`` compiles a program for a new call (``None``: other shapes are an error).
     """
 
-    def __init__(self, program: Program, model: nn.Module, comms: dict | None = None):
+    def __init__(self, program: Program, model: nn.Module, comms: dict | None = None, tp_mesh=None,
+                 compiler=None, max_programs: int = 8):
         super().__init__()
-        self.program = program
         coords = program.coords
         self.comms = comms if comms is not None else {
             a: AxisComm(a, program.mesh.axis_size(a), coords[a]) for a in coords}
@@ -42,64 +62,151 @@ class ParallelModule(nn.Module):
             if (c.size, c.rank) != (program.mesh.axis_size(a), coords[a]):
                 raise ValueError(f"communicator for axis '{a}' is rank {c.rank} of {c.size}, but the program was "
                                  f"compiled for rank {coords[a]} of {program.mesh.axis_size(a)}")
-        self.graph = bind(program.gm, self.comms)
-        self.shards = nn.ParameterDict()
-        self.records = {r.name: r for r in program.params}
-        full = dict(model.named_parameters(remove_duplicate=False))  # tied names too
-        for r in program.params:
-            p = full[r.name]
-            local = self._materialize(model, r.name, p) if p.is_meta else p.detach()
-            self.shards[_key(r.name)] = nn.Parameter(self._slice(local, r).clone().contiguous(),
-                                                     requires_grad=p.requires_grad)
+        self.params = ShardedParameters(program.params, model, self.comms["tp"], tp_mesh)
         self.aliases = dict(program.captured.aliases)
-        self._buffer_names = list(program.captured.buffer_names)
-        named_buffers = dict(model.named_buffers())
-        consts = program.captured.constants
-        for name in self._buffer_names:
-            b = named_buffers.get(name, consts.get(name))
-            if b is None:
-                raise ValueError(f"buffer or constant '{name}' of the captured graph was not found in the model")
-            self.register_buffer(_key(name), b.detach().clone())
-        sd_keys = set(model.state_dict().keys())
-        self._persistent_buffers = [b for b in self._buffer_names if b in sd_keys]
-        if self.comms["tp"].group is not None:
-            self._check_ranks_agree(model)
+        self._model_buffers = dict(model.named_buffers())
+        self._persistent = set(model.state_dict().keys())
+        self._buffer_names = []
+        self._compiler, self.max_programs = compiler, max_programs
+        self._programs = OrderedDict()
+        self.compile_log = []              # (ProgramKey, seconds) per program compiled after the first
+        self._steps = 0
+        self.train(model.training)
+        self._check_ranks_agree(program, model)
+        captured = program.captured
+        self._add(ProgramKey(bool(model.training), tuple(captured.example_leaves), str(captured.in_spec)), program)
+        self._register_state_dict_hook(_state_dict_names)
+        self._register_load_state_dict_pre_hook(_load_state_dict_names, with_module=True)
 
+    # --- programs -------------------------------------------------------------------------------------
+    @property
+    def program(self) -> Program:
+        """The first program compiled (the example inputs', in the model's mode at parallelize time)."""
+        return next(iter(self._programs.values()))[0]
+
+    @property
+    def programs(self) -> list:
+        return [p for p, _ in self._programs.values()]
+
+    def _add(self, k, program):
+        for name in program.captured.buffer_names:
+            if key(name) not in self._buffers:
+                b = self._model_buffers.get(name, program.captured.constants.get(name))
+                if b is None:
+                    raise ValueError(f"buffer or constant '{name}' of the captured graph was not found in the model")
+                self.register_buffer(key(name), b.detach().clone(), persistent=name in self._persistent)
+                self._buffer_names.append(name)
+        self._programs[k] = (program, bind(program.gm, self.comms))
+        while len(self._programs) > self.max_programs:
+            old, _ = self._programs.popitem(last=False)
+            log.info("autoshard: dropped the least recently used program (%s) to keep %d", old, self.max_programs)
+
+    def _program_for(self, leaves, spec):
+        k = program_key(self.training, leaves, spec)
+        if k in self._programs:
+            self._programs.move_to_end(k)
+            return self._programs[k]
+        first = self.program
+        if self._compiler is None:
+            self._explain_mismatch(leaves, spec, first)
+        start = time.perf_counter()
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        pins = {r.name: r.spec.tp for r in first.params}
+        program = self._compiler(args, kwargs, self.training, pins)
+        theirs = {(r.name, r.global_shape) for r in program.params}
+        ours = {(r.name, r.global_shape) for r in first.params}
+        if not theirs <= ours:
+            raise RuntimeError(f"the {'train' if self.training else 'eval'}-mode program for these inputs reads "
+                               f"parameters the first one did not: {sorted(theirs - ours)}")
+        self._check_ranks_agree(program, None)
+        self._add(k, program)
+        seconds = time.perf_counter() - start
+        self.compile_log.append((k, seconds))
+        log.info("autoshard: compiled a %s-mode program for new inputs %s in %.2f s (%d of at most %d cached)",
+                 "train" if self.training else "eval", k.inputs, seconds, len(self._programs), self.max_programs)
+        return self._programs[k]
+
+    @staticmethod
+    def _explain_mismatch(leaves, spec, program):
+        captured = program.captured
+        if spec != captured.in_spec:
+            raise TypeError(f"inputs do not match the example inputs the model was compiled with: got structure "
+                            f"{spec}, compiled for {captured.in_spec}; pass the same arguments")
+        for i, (x, ex) in enumerate(zip(leaves, captured.example_leaves)):
+            got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+            if got != ex:
+                raise ValueError(f"input {i} is {got}, compiled for {ex}: this program was compiled for static "
+                                 "shapes and dtypes; parallelize compiles new ones on first use")
+        raise ValueError("this program was compiled for the other mode (train/eval); parallelize compiles both")
+
+    # --- forward ----------------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        program, graph = self._program_for(leaves, spec)
+        user = [leaves[i] for i in program.captured.input_leaves]  # the leaves the graph reads (tensors)
+        buffers = [getattr(self, key(b)) for b in program.captured.buffer_names]
+        flat = graph(*self.params.local_inputs(program.params), *buffers, *user)
+        if self.training:
+            self._steps += 1
+            every = int(os.environ.get("AUTOSHARD_CHECK_REPLICAS", "0") or 0)
+            if every and self._steps % every == 0:
+                self.check_replicas()
+        return pytree.tree_unflatten(list(flat), program.captured.out_spec)
+
+    # --- parameters, gradients and checks ------------------------------------------------------------------
     @property
     def tp(self) -> AxisComm:
         return self.comms["tp"]
 
-    def tracers(self) -> list:
-        return [c.tracer for c in self.comms.values()]
+    @property
+    def records(self) -> dict:
+        return self.params.records
+
+    def local_parameters(self) -> dict:
+        """``{original name: parameter}`` (a DTensor on a real mesh, a local tensor otherwise)."""
+        return {name: self.params.shards[key(name)] for name in self.params.records}
+
+    def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor of parameter ``name``'s shard (or its gradient); a collective when sharded."""
+        return self.params.gather(name, local)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """Clip every gradient by the norm over the whole model (every rank's shards, replicas once)."""
+        return training.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
+
+    def check_replicas(self):
+        """Raise on every rank, naming the parameters, if copies that should be identical have drifted."""
+        training.check_replicas(self)
 
     def comm_counts(self):
         """Calls and bytes run since the last ``reset_comm_counts``, by (axis, phase, kind)."""
         total = Tracer()
-        for t in self.tracers():
-            total.calls.update(t.calls)
-            total.bytes.update(t.bytes)
+        for c in self.comms.values():
+            total.calls.update(c.tracer.calls)
+            total.bytes.update(c.tracer.bytes)
         return total.calls, total.bytes
 
     def reset_comm_counts(self):
-        for t in self.tracers():
-            t.reset()
+        for c in self.comms.values():
+            c.tracer.reset()
 
-    def _check_ranks_agree(self, model):
-        """All ranks must run the same plan on the same weights; say so (on every rank) if they do not.
+    def _check_ranks_agree(self, program, model):
+        """All tp ranks must run the same plan on the same weights; say so (on every rank) if they do not.
 
-        One small all-gather at set-up: a rank with another plan would run other collectives (a hang or
-        wrong numbers), and weights drawn without a common seed would be shards of different models.
+        One small all-gather per program: a rank with another plan would run other collectives (a hang
+        or wrong numbers), and weights drawn without a common seed would be shards of different models.
         """
+        group = self.tp.group
+        if group is None:
+            return
         plan = hashlib.sha1(repr([(n.name, M.SPEC.get(n, None), M.LOCAL_SHAPE.get(n, None))
-                                  for n in self.program.gm.graph.nodes]).encode())
+                                  for n in program.gm.graph.nodes]).encode()).hexdigest()
         weights = hashlib.sha1()
-        for name, p in model.named_parameters():
+        for name, p in (model.named_parameters() if model is not None else ()):
             if not p.is_meta:
                 weights.update(f"{name}:{float(p.detach().double().sum()):.10e}".encode())
-        mine = (plan.hexdigest(), weights.hexdigest())
-        group = self.tp.group
         every = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, mine, group=group)
+        dist.all_gather_object(every, (plan, weights.hexdigest()), group=group)
         if len({e[0] for e in every}) > 1:
             raise RuntimeError("tensor-parallel ranks compiled different plans (different example inputs, "
                                "models or autoshard versions?): every rank must call parallelize identically")
@@ -107,96 +214,51 @@ class ParallelModule(nn.Module):
             raise RuntimeError("the model's weights differ between tensor-parallel ranks: seed every rank the "
                                "same (torch.manual_seed) before building the model, or load one checkpoint")
 
-    # --- shards ---------------------------------------------------------------------------------------
-    def _slice(self, full, record):
-        pl = record.spec.tp
-        if isinstance(pl, Shard):
-            return take_shard(full, pl.dim, record.global_shape[pl.dim], self.tp.size, self.tp.rank, pl.blocks)
-        return full
-
-    def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """The full tensor of which ``local`` is this rank's shard of parameter ``name`` (a collective when
-        the parameter is sharded: every rank must call it). Works for gradients too."""
-        record = self.records[name]
-        pl = record.spec.tp
-        if isinstance(pl, Shard):
-            return gather_full(local, pl.dim, record.global_shape[pl.dim], self.tp, pl.blocks, "gather")
-        return local
-
-    @staticmethod
-    def _materialize(model, name, p):
-        """A full tensor for a parameter on ``meta``: its module's ``reset_parameters`` on a scratch copy.
-
-        One module at a time (the peak is one module's full parameters), seeded from the parameter's name
-        so every rank draws the same tensor and two layers do not draw the same one, inside a forked RNG
-        so the caller's random stream is untouched. This is the module's default init, not the model's
-        own (nanoGPT's normal(0, 0.02), say): load real weights with ``load_full_state_dict``.
-        """
-        owner_name, _, leaf = name.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        scratch = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
-        if hasattr(scratch, "reset_parameters"):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(zlib.crc32(name.encode()))
-                scratch.reset_parameters()
-        else:
-            warnings.warn(f"parameter '{name}' is on the meta device and {type(owner).__name__} has no "
-                          "reset_parameters(): it starts uninitialised; load weights with load_full_state_dict")
-        return getattr(scratch, leaf).detach()
-
-    def local_parameters(self):
-        """``{original name: local shard}``."""
-        return {r.name: self.shards[_key(r.name)] for r in self.program.params}
-
-    # --- forward ----------------------------------------------------------------------------------------
-    def forward(self, *args, **kwargs):
-        captured = self.program.captured
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        if spec != captured.in_spec:
-            raise TypeError(f"inputs do not match the example inputs the model was compiled with: got structure "
-                            f"{spec}, compiled for {captured.in_spec}; pass the same arguments")
-        for i, (x, ex) in enumerate(zip(leaves, captured.example_leaves)):
-            if isinstance(x, torch.Tensor) != isinstance(ex, tuple) or (
-                    isinstance(x, torch.Tensor) and (tuple(x.shape), x.dtype) != ex):
-                got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
-                raise ValueError(f"input {i} is {got}, compiled for {ex}: autoshard compiles for static shapes "
-                                 "and dtypes; call parallelize with example_args like the ones you train with")
-            if not isinstance(x, torch.Tensor) and x != ex:
-                raise ValueError(f"input {i} is {x!r}, but {ex!r} was compiled into the program: non-tensor "
-                                 "arguments are constants of the trace; parallelize again to change them")
-        user = [leaves[i] for i in captured.input_leaves]  # the leaves the graph reads (tensors)
-        params = [self.shards[_key(r.name)] for r in self.program.params]
-        buffers = [getattr(self, _key(b)) for b in self._buffer_names]
-        flat = self.graph(*params, *buffers, *user)
-        return pytree.tree_unflatten(list(flat), captured.out_spec)
-
     # --- full state dicts -------------------------------------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self):
         """Original names and full shapes (tied names included), loadable by the single-device model."""
-        out = {}
-        for r in self.program.params:
-            out[r.name] = self.gather(r.name, self.shards[_key(r.name)].detach()).clone()
+        out = {name: self.gather(name, p.detach()).clone() for name, p in self.local_parameters().items()}
         for alias, main in self.aliases.items():
             out[alias] = out[main]
-        for b in self._persistent_buffers:
-            out[b] = getattr(self, _key(b)).clone()
+        for b in self._buffer_names:
+            if b in self._persistent:
+                out[b] = getattr(self, key(b)).clone()
         return out
 
     @torch.no_grad()
     def load_full_state_dict(self, state_dict, strict: bool = True):
-        missing = [r.name for r in self.program.params if r.name not in state_dict]
+        missing = [n for n in self.params.records if n not in state_dict]
         if strict and missing:
             raise ValueError(f"the state dict lacks parameters {missing}: pass strict=False to load the rest")
-        for r in self.program.params:
-            if r.name not in state_dict:
-                continue
-            full = state_dict[r.name]
-            if tuple(full.shape) != tuple(r.global_shape):
-                raise ValueError(f"'{r.name}': state dict has shape {tuple(full.shape)}, the model "
-                                 f"{tuple(r.global_shape)}")
-            shard = self.shards[_key(r.name)]
-            shard.copy_(self._slice(full.to(shard.dtype), r))
-        for b in self._persistent_buffers:
+        for name in self.params.records:
+            if name in state_dict:
+                self.params.load_full(name, state_dict[name])
+        for b in self._buffer_names:
             if b in state_dict:
-                getattr(self, _key(b)).copy_(state_dict[b])
+                getattr(self, key(b)).copy_(state_dict[b])
+
+
+def _state_dict_names(module, state_dict, prefix, local_metadata):
+    """``pm.state_dict()`` uses the model's own names (``params.shards.a__b`` -> ``a.b``), and shows
+    ``torch.distributed.checkpoint`` only rectangular chunks (``params.checkpoint_view``)."""
+    for k in list(state_dict):
+        if not k.startswith(prefix):
+            continue
+        rest = k[len(prefix):]
+        if rest.startswith("params.shards."):
+            name = rest[len("params.shards."):].replace("__", ".")
+            state_dict[prefix + name] = module.params.checkpoint_view(name, state_dict.pop(k))
+        elif "." not in rest:
+            state_dict[prefix + rest.replace("__", ".")] = state_dict.pop(k)
+    return state_dict
+
+
+def _load_state_dict_names(module, state_dict, prefix, *args):
+    for name in module.params.records:
+        if prefix + name in state_dict:
+            value = module.params.from_checkpoint_view(name, state_dict.pop(prefix + name))
+            state_dict[prefix + "params.shards." + key(name)] = value
+    for b in module._buffer_names:
+        if prefix + b in state_dict:
+            state_dict[prefix + key(b)] = state_dict.pop(prefix + b)

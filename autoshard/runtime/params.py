@@ -1,0 +1,177 @@
+"""This rank's parameters: created once from the model, shared by every compiled program.
+
+With a device mesh, each parameter is a ``DTensor`` on the tp sub-mesh carrying the placement the
+compiler chose, so ``torch.nn.utils.clip_grad_norm_``, torch optimizers and
+``torch.distributed.checkpoint`` see the true global tensor:
+
+- ``Shard(d)`` and ``Replicate()`` map to DTensor's own;
+- a blocked shard (a fused q|k|v cut per block) is ``_StridedShard(d, split_factor=blocks)``, whose
+  local layout is exactly ours (rank r holds its chunk of every block), so ``full_tensor()`` is the
+  user's original weight;
+- a padded vocab shard (tp does not divide V) is DTensor's uneven ``Shard(0)``: torch's chunking gives
+  the last rank fewer rows, which is our layout without the padding. The padding exists only in the
+  graph: ``local_inputs`` pads the rows on the way in (and autograd slices the gradient back).
+
+Without a mesh (the in-process simulator, compile-only runs) parameters are plain local tensors.
+Under mixed precision the parameters stay fp32 (Megatron's main weights) and are cast to the
+program's compute dtype on the way into the graph, so gradients accumulate in fp32.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autoshard.ir.placement import Shard
+from autoshard.runtime.layout import gather_full, take_shard
+
+try:  # DTensor and its strided placement (torch >= 2.5)
+    from torch.distributed.tensor import DTensor, Replicate as DReplicate, Shard as DShard
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover
+    DTensor = None
+
+
+def key(name: str) -> str:
+    """A parameter name as a ParameterDict key (dots are not allowed there)."""
+    return name.replace(".", "__")
+
+
+def dtensor_placement(placement):
+    if isinstance(placement, Shard):
+        return _StridedShard(placement.dim, split_factor=placement.blocks) if placement.blocks > 1 \
+            else DShard(placement.dim)
+    return DReplicate()
+
+
+def _contiguous_stride(shape):
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))
+
+
+class ShardedParameters(nn.Module):
+    """The parameter shards of one rank, keyed by original name, plus how to feed them to a program."""
+
+    def __init__(self, records, model: nn.Module, tp_comm, tp_mesh=None):
+        super().__init__()
+        self.records = {r.name: r for r in records}
+        self.tp, self.mesh = tp_comm, tp_mesh
+        self.shards = nn.ParameterDict()
+        full = dict(model.named_parameters(remove_duplicate=False))  # tied names too
+        for r in records:
+            p = full[r.name]
+            source = self._materialize(model, r.name, p) if p.is_meta else p.detach()
+            local = self.slice(source.to(p.dtype), r).clone().contiguous()
+            self.shards[key(r.name)] = nn.Parameter(self._wrap(local, r), requires_grad=p.requires_grad)
+
+    # --- layout ---------------------------------------------------------------------------------------
+    def slice(self, full, record):
+        """This rank's padded shard of a full tensor (the graph's local layout)."""
+        pl = record.spec.tp
+        if isinstance(pl, Shard):
+            return take_shard(full, pl.dim, record.global_shape[pl.dim], self.tp.size, self.tp.rank, pl.blocks)
+        return full
+
+    def _wrap(self, local, record):
+        if self.mesh is None:
+            return local
+        pl = record.spec.tp
+        if isinstance(pl, Shard) and pl.blocks == 1:
+            local = local.narrow(pl.dim, 0, self._real_rows(record)).contiguous()   # no padding in a DTensor
+        shape = tuple(record.global_shape)
+        return DTensor.from_local(local, self.mesh, [dtensor_placement(pl)], run_check=False, shape=torch.Size(shape),
+                                  stride=_contiguous_stride(shape))
+
+    def _real_rows(self, record):
+        pl = record.spec.tp
+        n, c = record.global_shape[pl.dim], record.local_shape[pl.dim]
+        return max(0, min(c, n - self.tp.rank * c))
+
+    def local(self, name):
+        """The local tensor of parameter ``name`` as stored (a DTensor's local part, with autograd)."""
+        p = self.shards[key(name)]
+        return p.to_local() if DTensor is not None and isinstance(p, DTensor) else p
+
+    def local_inputs(self, records) -> list:
+        """The graph's parameter inputs for a program: local shards, padded and cast as it was compiled."""
+        out = []
+        for r in records:
+            x = self.local(r.name)
+            pl = r.spec.tp
+            if isinstance(pl, Shard) and x.shape[pl.dim] != r.local_shape[pl.dim]:
+                pad = [0, 0] * (x.dim() - 1 - pl.dim) + [0, r.local_shape[pl.dim] - x.shape[pl.dim]]
+                x = F.pad(x, pad)
+            out.append(x if x.dtype == r.dtype else x.to(r.dtype))
+        return out
+
+    # --- full tensors ---------------------------------------------------------------------------------
+    def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor of which ``local`` is this rank's shard of parameter ``name`` (a collective when
+        the parameter is sharded: every rank must call it). Works for gradients too."""
+        if DTensor is not None and isinstance(local, DTensor):
+            return local.full_tensor()
+        r = self.records[name]
+        pl = r.spec.tp
+        if isinstance(pl, Shard):
+            return gather_full(local, pl.dim, r.global_shape[pl.dim], self.tp, pl.blocks, "gather")
+        return local
+
+    # --- checkpoints ------------------------------------------------------------------------------------
+    def checkpoint_view(self, name, value):
+        """What ``state_dict()`` shows ``torch.distributed.checkpoint`` for a parameter: itself, except a
+        blocked (strided) shard, which DCP's planner cannot describe as one rectangular chunk per rank in
+        torch 2.13. That one is shown evenly ``Shard``ed instead (one gather of the parameter, at save time)."""
+        pl = self.records[name].spec.tp
+        if DTensor is None or not isinstance(value, DTensor) or not (isinstance(pl, Shard) and pl.blocks > 1):
+            return value
+        full = value.full_tensor()
+        local = full.chunk(self.tp.size, dim=pl.dim)[self.tp.rank].contiguous()
+        return DTensor.from_local(local, self.mesh, [DShard(pl.dim)], run_check=False, shape=full.shape,
+                                  stride=full.stride())
+
+    def from_checkpoint_view(self, name, value):
+        """The inverse of ``checkpoint_view``, for ``load_state_dict``."""
+        r, pl = self.records[name], self.records[name].spec.tp
+        if DTensor is None or not isinstance(value, DTensor) or value.placements == (dtensor_placement(pl),):
+            return value
+        return self._wrap(self.slice(value.full_tensor(), r).contiguous(), r)
+
+    @torch.no_grad()
+    def load_full(self, name, full):
+        r = self.records[name]
+        if tuple(full.shape) != tuple(r.global_shape):
+            raise ValueError(f"'{name}': the state dict has shape {tuple(full.shape)}, the model {tuple(r.global_shape)}")
+        dst = self.local(name)
+        src = self.slice(full.to(dst.dtype), r)
+        pl = r.spec.tp
+        if isinstance(pl, Shard) and src.shape[pl.dim] != dst.shape[pl.dim]:
+            src = src.narrow(pl.dim, 0, dst.shape[pl.dim])
+        dst.copy_(src)
+
+    @staticmethod
+    def _materialize(model, name, p):
+        """A full tensor for a parameter on ``meta``: its module's ``reset_parameters`` on a scratch copy.
+
+        One module at a time (the peak is one module's full parameters), seeded from the parameter's name
+        so every rank draws the same tensor and two layers do not draw the same one, inside a forked RNG
+        so the caller's random stream is untouched. This is the module's default init, not the model's
+        own (nanoGPT's normal(0, 0.02), say): load real weights with ``load_full_state_dict``.
+        """
+        owner_name, _, leaf = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        scratch = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
+        if hasattr(scratch, "reset_parameters"):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(zlib.crc32(name.encode()))
+                scratch.reset_parameters()
+        else:
+            warnings.warn(f"parameter '{name}' is on the meta device and {type(owner).__name__} has no "
+                          "reset_parameters(): it starts uninitialised; load weights with load_full_state_dict")
+        return getattr(scratch, leaf).detach()

@@ -1,0 +1,91 @@
+"""What a training loop needs beyond forward and backward: the global gradient norm and a replica check.
+
+Both work on local tensors and this rank's communicators, so they hold on any mesh (and in the thread
+simulator). ``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)`` gives the same norm on a real mesh,
+where the parameters are DTensors; ``pm.clip_grad_norm_`` is the form that also covers what plain torch
+cannot see (norms over pipeline stages once those land).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from autoshard.ir.placement import Shard
+
+
+def _local_grads(pm):
+    """(sharded local grads, replicated grads): every replicated gradient is whole on every tp rank."""
+    sharded, replicated = [], []
+    for name, p in pm.local_parameters().items():
+        if p.grad is None:
+            continue
+        g = p.grad
+        g = g.to_local() if hasattr(g, "to_local") else g
+        (sharded if isinstance(pm.records[name].spec.tp, Shard) else replicated).append(g)
+    return sharded, replicated
+
+
+@torch.no_grad()
+def total_norm(pm, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of every gradient of the model, as the single-device model would compute it."""
+    norm_type = float(norm_type)
+    sharded, replicated = _local_grads(pm)
+    tp = pm.tp
+    device = (sharded + replicated)[0].device if sharded + replicated else torch.device("cpu")
+    if norm_type == float("inf"):
+        local = torch.stack([g.abs().max().float() for g in sharded + replicated] or [torch.zeros((), device=device)]).max()
+        return tp.all_reduce(local.reshape(1), "clip", op=dist.ReduceOp.MAX)[0]
+    # sum |g|^p: shards summed over tp, replicas counted once (they are identical on every rank)
+    part = sum((g.float().abs() ** norm_type).sum() for g in sharded) if sharded else torch.zeros((), device=device)
+    whole = sum((g.float().abs() ** norm_type).sum() for g in replicated) if replicated else torch.zeros((), device=device)
+    total = tp.all_reduce(torch.as_tensor(part, dtype=torch.float32).reshape(1).clone(), "clip")[0] + whole
+    return total ** (1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+    """Scale every gradient by ``min(1, max_norm / (norm + 1e-6))``, as torch's ``clip_grad_norm_``.
+
+    The norm is the same number on every rank (one all-reduce), so a non-finite norm gives the same
+    decision everywhere: with ``error_if_nonfinite`` every rank raises.
+    """
+    norm = total_norm(pm, norm_type)
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({float(norm)}): "
+                           "every rank stops here; pass error_if_nonfinite=False to clip anyway")
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    sharded, replicated = _local_grads(pm)
+    for g in sharded + replicated:
+        g.mul_(coef.to(g.dtype))
+    return norm
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def check_replicas(pm):
+    """Hash every parameter that should be identical across tp ranks and compare the hashes.
+
+    Replicated parameters must stay bit-identical: a rank that scaled, clipped or updated them
+    differently trains another model from then on. Every rank raises, naming the parameters.
+    """
+    group = pm.tp.group
+    if pm.tp.size == 1:
+        return
+    mine = {}
+    for name, p in pm.local_parameters().items():
+        if not isinstance(pm.records[name].spec.tp, Shard):
+            mine[name] = _digest(p.to_local() if hasattr(p, "to_local") else p)
+    every = [None] * pm.tp.size
+    if group is None:  # the thread simulator: its communicator exchanges tensors, not objects
+        every = pm.tp.exchange_objects(mine)
+    else:
+        dist.all_gather_object(every, mine, group=group)
+    drifted = sorted(n for n in mine if len({e.get(n) for e in every}) > 1)
+    if drifted:
+        raise RuntimeError(f"replicated parameters differ between the {pm.tp.size} tensor-parallel ranks: "
+                           f"{drifted}. Something changed them on some ranks only (a per-rank gradient scale, a "
+                           "clip by a local norm, a different seed); training from here trains different models")
