@@ -203,7 +203,8 @@ def write_plan(program, dump_dir):
     L += loss_section(program)
     L += ["## Fallbacks (replicated because no sharding could be proven exact)", ""]
     if report is not None:
-        L += [f"- node `{n}` has an op with no sharding rule: runs replicated" for n in report.unruled] or ["- none"]
+        L += [f"- {n} has no sharding rule: runs replicated (exact; its inputs are made whole)"
+              for n in report.unruled] or ["- none"]
         L += [f"- weight `{w}` stays replicated: no exact sharded strategy" for w in report.replicated_weights]
         L += ["", "## Compile", "",
               f"ILP on {report.axis}={report.size}: {report.variables} variables, solved in "

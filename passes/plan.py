@@ -83,6 +83,11 @@ def dp_placement(node, dependent: set):
     return Shard(0) if val(node).dim() > 0 else P
 
 
+def _module_path(node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return next(reversed(stack.values()))[0] or "<top>" if stack else "<top>"
+
+
 def partial_grad_use(strategy: Strategy, pos: int) -> bool:
     """A replicated input of an op whose output is not replicated gets a partial gradient (needs ``f``)."""
     return isinstance(strategy.ins[pos], Replicate) and not isinstance(strategy.out, Replicate)
@@ -171,7 +176,8 @@ def build_problem(gm, ctx: RuleContext, cm: CostModel, pins: dict, rg: dict, rep
         raise PlanError(f"pinned parameter(s) {sorted(unknown_pins)} are not parameters of the model")
 
     fixed = {n for n, ss in strategies.items() if len(ss) == 1}
-    prob = Problem(strategies, fixed, {}, unruled=[n.name for n in ctx.unruled])
+    prob = Problem(strategies, fixed, {}, unruled=[f"`{n.name}` (`{n.target}`) in `{_module_path(n)}`"
+                                                   for n in ctx.unruled])
     for n, ss in strategies.items():
         if n not in fixed:
             for i, s in enumerate(ss):

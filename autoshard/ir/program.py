@@ -73,7 +73,7 @@ class PlanReport:
     solve_seconds: float = 0.0
     objective: float = 0.0
     variables: int = 0
-    unruled: list = field(default_factory=list)             # node names replicated for want of a rule
+    unruled: list = field(default_factory=list)             # nodes (op, module) replicated for want of a rule
     replicated_weights: list = field(default_factory=list)  # weight names left replicated
     attention: list = field(default_factory=list)           # per attention: heads, kv heads, what tp does
 
