@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import copy
 
-import torch
-
 import autoshard
 from tests.distributed import run_distributed
 from tests.families import EAGER_ONLY, GQA, FamilyConfig, batch, build, rel
+from tests.parity_checks import adamw_errors, gradient_errors
 
 FAMILIES = ["gpt_neox", "llama", "bloom", "falcon", "qwen2"]
 TP = 2
@@ -40,30 +39,12 @@ def _check_family(cfg: FamilyConfig, tp: int, steps: int = STEPS) -> dict:
     errs["logits"] = rel(out.logits, rout.logits)
     out.loss.backward()
     rout.loss.backward()
-    ref_params = dict(ref.named_parameters(remove_duplicate=False))
-    floor = 1e-3 * max(float(p.grad.abs().max()) for p in ref.parameters())
-    for name, p in pm.local_parameters().items():
-        errs[f"grad {name}"] = rel(pm.gather(name, p.grad), ref_params[name].grad, floor)
-    compared = set(pm.local_parameters()) | set(pm.aliases)
-    assert compared == set(ref_params), f"parameters compared {sorted(compared)} != the model's {sorted(ref_params)}"
+    errs |= gradient_errors(pm, ref)
 
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-4)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4)
-    opt.step(); ropt.step()
-    for _ in range(steps - 1):
-        for o in (opt, ropt):
-            o.zero_grad()
+    def step():
         pm(**copy.deepcopy(kwargs)).loss.backward()
         ref(**copy.deepcopy(kwargs)).loss.backward()
-        opt.step(); ropt.step()
-    full = pm.full_state_dict()
-    scale = max(float(p.abs().max()) for p in ref.parameters())
-    ref_state = ref.state_dict()
-    assert set(full) >= {k for k, v in ref_state.items() if v.is_floating_point()}, sorted(set(ref_state) - set(full))
-    for name, p in ref_state.items():
-        if p.is_floating_point():
-            errs[f"after {steps} AdamW steps: {name}"] = rel(full[name], p, scale)
-    return errs
+    return errs | adamw_errors(pm, ref, step, steps)
 
 
 def _parity(rank, world, families):

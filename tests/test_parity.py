@@ -7,11 +7,11 @@ One process group runs all model variants for one tp size, to pay the process st
 import copy
 
 import pytest
-import torch
 
 import autoshard
 from autoshard.ir.placement import Replicate
 from tests.distributed import run_distributed
+from tests.parity_checks import adamw_errors, gradient_errors, rel
 from tests.models import batch, build, loss_and_logits
 
 VARIANTS = [
@@ -24,11 +24,6 @@ VARIANTS = [
     ("gpt", dict(vocab_size=97, loss_only=True)),                        # loss overwrites its logits in place
     ("gpt", dict(vocab_size=96, pins={"transformer.h.0.mlp.c_fc.weight": Replicate()})),  # off Megatron's path
 ]
-
-
-def rel(a, b, floor=1e-12):
-    """Max-abs error relative to the reference's max-abs (at least ``floor``)."""
-    return float((a - b).abs().max() / max(float(b.abs().max()), floor))
 
 
 def _check_variant(kind, cfg, tp, steps=5):
@@ -52,36 +47,12 @@ def _check_variant(kind, cfg, tp, steps=5):
         errs["logits"] = rel(logits.detach(), rlogits.detach())
     loss.backward()
     rloss.backward()
-    ref_params = dict(ref.named_parameters(remove_duplicate=False))
-    # An analytically zero gradient (the key bias) is rounding noise with no relative accuracy: measure
-    # it against a thousandth of the model's largest gradient instead of against itself.
-    floor = 1e-3 * max(float(p.grad.abs().max()) for p in ref.parameters())
-    for name, p in pm.local_parameters().items():
-        errs[f"grad {name}"] = rel(pm.gather(name, p.grad), ref_params[name].grad, floor)
-    compared = set(pm.local_parameters()) | set(pm.aliases)
-    assert compared == set(ref_params), f"parameters compared {sorted(compared)} != the model's {sorted(ref_params)}"
+    errs |= gradient_errors(pm, ref)
 
-    # Adam's first step is ~lr * sign(grad). A gradient that is analytically zero (the key bias: softmax
-    # ignores it) is fp32 rounding noise whose sign differs between any two summation orders, so with the
-    # default eps=1e-8 *any* two correct implementations drift by lr there. The step's sensitivity to a
-    # gradient error is about lr/eps; eps=1e-4 keeps the comparison about our gradients, not rounding.
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, eps=1e-4)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-4)
-    opt.step(); ropt.step()
-    for _ in range(steps - 1):
-        for o in (opt, ropt):
-            o.zero_grad()
+    def step():
         loss_and_logits(kind, pm(*args, **kwargs))[0].backward()
         loss_and_logits(kind, ref(*args, **kwargs))[0].backward()
-        opt.step(); ropt.step()
-    full = pm.full_state_dict()
-    # Per parameter, against the model's weight scale: the key bias starts at zero and only ever moves
-    # by noise-driven steps (~1e-8), which no relative-to-itself measure can compare.
-    scale = max(float(p.abs().max()) for p in ref.parameters())
-    for name, p in ref.state_dict().items():
-        if p.is_floating_point():
-            errs[f"after {steps} AdamW steps: {name}"] = rel(full[name], p, scale)
-    return errs
+    return errs | adamw_errors(pm, ref, step, steps)
 
 
 def _parity(rank, world, variants):
