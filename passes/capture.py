@@ -17,8 +17,9 @@ from autoshard.ir.program import Captured
 from autoshard.passes.regions import RegionError, inline_regions
 
 
-class CaptureError(RuntimeError):
-    """The model's forward could not be traced; the message names the module and the construct."""
+class CaptureError(ValueError, RuntimeError):
+    """The model's forward could not be traced; the message names the module and the construct. A
+    ValueError (the input model is the problem) and, as before, a RuntimeError."""
 
 
 _HINTS = [
