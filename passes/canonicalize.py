@@ -79,7 +79,9 @@ REWRITES = {
 
 VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.slice, aten.select, aten.transpose,
          aten.permute, aten.t, aten.unsqueeze, aten.squeeze, aten.alias, aten.narrow, aten.split, aten.chunk,
-         aten.unflatten, aten.flatten, aten.as_strided, aten.diagonal, aten.unbind, aten.view_as, aten.expand_as}
+         aten.unflatten, aten.flatten, aten.as_strided, aten.diagonal, aten.unbind, aten.view_as, aten.expand_as,
+         # may return their input itself (already contiguous, same dtype): an alias as far as a write goes
+         aten.contiguous, aten.to, aten.type_as, aten.detach, aten.lift_fresh}
 
 
 def _out_of_place(node):

@@ -186,3 +186,26 @@ def test_meta_init_draws_distinct_layers_and_keeps_the_callers_rng():
     assert torch.equal(state, torch.random.get_rng_state())
     w = pm.local_parameters()
     assert not torch.equal(w["transformer.h.0.mlp.c_fc.weight"], w["transformer.h.1.mlp.c_fc.weight"])
+
+
+class WriteThroughAlias(nn.Module):
+    """``contiguous()`` may return its input itself: an in-place write through it reaches every reader of
+    the input, so canonicalize must leave it alone; a write to a plain op result (``z += y``) is made pure."""
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = self.a(x)
+        c = h.contiguous()
+        c.mul_(2.0)
+        y = self.b(torch.relu(h))
+        z = self.b(c)
+        z += y
+        return z.pow(2).sum()
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_in_place_writes_keep_their_meaning(t):
+    torch.manual_seed(0)
+    assert_same(WriteThroughAlias(), (torch.randn(4, 16),), t)
