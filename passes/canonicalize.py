@@ -14,6 +14,8 @@ cast to fp32 first, as autocast does (and as Megatron computes its loss), so the
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
@@ -77,11 +79,16 @@ REWRITES = {
     aten.broadcast_to.default: _broadcast_to,
 }
 
-VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.expand, aten.slice, aten.select, aten.transpose,
-         aten.permute, aten.t, aten.unsqueeze, aten.squeeze, aten.alias, aten.narrow, aten.split, aten.chunk,
-         aten.unflatten, aten.flatten, aten.as_strided, aten.diagonal, aten.unbind, aten.view_as, aten.expand_as,
-         # may return their input itself (already contiguous, same dtype): an alias as far as a write goes
-         aten.contiguous, aten.to, aten.type_as, aten.detach, aten.lift_fresh}
+def _may_alias(node) -> bool:
+    """Whether ``node``'s value may share storage with an input: a view, or an op that may return its
+    input itself (``contiguous`` of a contiguous tensor). Read from the op's schema (a return with alias
+    info, ``Tensor(a)``), through ``getitem`` of a multi-output view such as ``split``."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return isinstance(node.args[0], fx.Node) and _may_alias(node.args[0])
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
 def _out_of_place(node):
@@ -99,13 +106,18 @@ def _functionalize(g, n) -> bool:
     x = n.args[0] if n.args else None
     if target is None or not isinstance(x, fx.Node) or x.op != "call_function":
         return False
-    if getattr(x.target, "overloadpacket", None) in VIEWS or any(
-            getattr(u.target, "overloadpacket", None) in VIEWS for u in x.users if u is not n):
+    if _may_alias(x) or any(_may_alias(u) for u in x.users if u is not n):
         return False  # a view shares x's storage: the write would show through it
     order = {m: i for i, m in enumerate(g.nodes)}
     with g.inserting_before(n):
         pure = g.call_function(target, n.args, dict(n.kwargs))
-    pure.meta = dict(n.meta)
+        pure.meta = dict(n.meta)
+        dtype = x.meta["val"].dtype
+        if target(*[_meta(a) for a in n.args], **n.kwargs).dtype != dtype:
+            # the in-place op keeps x's dtype; its pure twin type-promotes: cast back as the write did
+            pure = _emit(g, aten._to_copy.default, (pure,), n)
+            pure.kwargs = {"dtype": dtype}
+            pure.meta["val"] = _meta(x)
     for u in list(x.users):
         if u not in (n, pure) and order[u] > order[n]:
             u.replace_input_with(x, pure)   # later reads see the written value
@@ -144,8 +156,15 @@ def canonicalize_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
                 new = REWRITES[n.target](g, n)
             n.replace_all_uses_with(new)
             g.erase_node(n)
-        elif _out_of_place(n) is not None:
-            _functionalize(g, n)
+        elif _out_of_place(n) is not None and not _functionalize(g, n) and ctx is not None and ctx.mesh.tp > 1:
+            # The written value has views (or is one). Sharding moves a view and its base through different
+            # collectives, so the write would not reach the view: a silent wrong result. Say so instead.
+            stack = n.meta.get("nn_module_stack") or {}
+            where = (next(reversed(stack.values()))[0] if stack else "") or "the top module"
+            raise NotImplementedError(
+                f"'{where}' writes in place ({n.target}) to a tensor that has views: tensor parallelism cannot "
+                f"keep that aliasing across shards. Write it out of place (for example `h = h * 2` instead of "
+                f"`h.mul_(2)`), or run with tp=1")
     g.lint()
     gm.recompile()
     return gm

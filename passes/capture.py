@@ -143,7 +143,8 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
     return Captured(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, params, buffers, aliases, users,
                     dict(ep.constants),
                     [x if not isinstance(x, torch.Tensor) else (tuple(x.shape), x.dtype) for x in example_leaves],
-                    input_leaves, regions)
+                    input_leaves=input_leaves, regions=regions,
+                    example_requires_grad=[isinstance(x, torch.Tensor) and bool(x.requires_grad) for x in example_leaves])
 
 
 def _user_inputs(gm, inputs, leaves) -> list:

@@ -143,3 +143,25 @@ def test_specs_carry_every_mesh_axis():
     assert specs["transformer.h.0.mlp.c_fc.weight"].placements == (R, R, Shard(0))   # (dp, pp, tp)
     tokens = next(n for n in prog.gm.graph.nodes if n.op == "placeholder" and M.KIND.get(n) == "input")
     assert M.SPEC.get(tokens).dp == Shard(0)                # the batch is split over dp by rule
+
+
+def test_state_dict_names_survive_double_underscores():
+    """Parameters are stored as p0, p1, ... with their names beside them: no name encoding to collide."""
+    import torch.nn as nn
+    from autoshard.runtime.module import ParallelModule
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up__proj, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+            self.register_buffer("pos__scale", torch.ones(8))
+
+        def forward(self, x):
+            return self.down(torch.relu(self.up__proj(x * self.pos__scale))).sum()
+
+    torch.manual_seed(0)
+    model = M()
+    pm = ParallelModule(autoshard.compile_rank(model, {"tp": 1}, 0, (torch.randn(2, 8),)), model)
+    assert set(pm.state_dict()) == set(model.state_dict())
+    pm.load_state_dict(model.state_dict())
+    assert set(pm.full_state_dict()) == set(model.state_dict())

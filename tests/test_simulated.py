@@ -209,3 +209,64 @@ class WriteThroughAlias(nn.Module):
 def test_in_place_writes_keep_their_meaning(t):
     torch.manual_seed(0)
     assert_same(WriteThroughAlias(), (torch.randn(4, 16),), t)
+
+
+class WriteWithAView(nn.Module):
+    """``p = h.movedim(-1, 0); h.mul_(2); y = p.movedim(0, -1)``: the write must reach the view. Sharding
+    would move h and p through different collectives, so at tp > 1 this is a clear error, not a guess."""
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        p = h.movedim(-1, 0)
+        h.mul_(2.0)
+        return self.b(torch.relu(p.movedim(0, -1))).sum()
+
+
+def test_in_place_write_with_a_view_is_exact_at_tp1_and_an_error_above():
+    torch.manual_seed(0)
+    assert_same(WriteWithAView(), (torch.randn(2, 4, 8),), 1)
+    with pytest.raises(NotImplementedError, match=r"writes in place \(aten.mul_.Tensor\) to a tensor that has views"):
+        assert_same(WriteWithAView(), (torch.randn(2, 4, 8),), 2)
+
+
+class TrainOnlyConstant(nn.Module):
+    """Constants made in forward are lifted per trace (lifted_tensor_0, ...): the eval program must read its
+    own, not the train program's."""
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if self.training:
+            x = x * torch.tensor([0.5])
+        return (self.a(x) * torch.tensor([3.0])).sum()
+
+
+def test_programs_keep_their_own_constants_and_key_on_requires_grad():
+    import dataclasses
+    import autoshard
+    from autoshard.ir.mesh import MeshSpec
+    from autoshard.runtime.module import ParallelModule
+    from tests.simulate import run_ranks
+    torch.manual_seed(0)
+    model, x = TrainOnlyConstant(), torch.randn(2, 4, 8)
+    model.eval(); want_eval = float(model(x)); model.train(); want_train = float(model(x))
+    progs = [autoshard.compile_rank(model, {"tp": 2}, r, (x,)) for r in range(2)]
+    lock = __import__("threading").Lock()
+
+    def rank(r, comms):
+        def compiler(a, kw, training, pins):
+            with lock:  # torch.export is not thread-safe
+                return autoshard.compile_rank(model, MeshSpec(tp=2), r, a, kw,
+                                              dataclasses.replace(autoshard.CompileOptions(), pins=pins), training=training)
+        pm = ParallelModule(progs[r], model, comms, None, compiler)
+        train = float(pm(x)); pm.eval(); ev = float(pm(x)); pm.train()
+        pm(x.clone().requires_grad_())          # an input that needs a gradient: its own program
+        return train, ev, len(pm.programs), pm.program is progs[r]
+
+    for train, ev, n, first in run_ranks(MeshSpec(tp=2), rank):
+        assert train == pytest.approx(want_train, rel=1e-6) and ev == pytest.approx(want_eval, rel=1e-6)
+        assert n == 3 and first

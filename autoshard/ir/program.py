@@ -26,6 +26,7 @@ class Captured:
     constants: dict          # lifted constant tensors (export's ep.constants), by name
     example_leaves: list     # the flattened example inputs: non-tensors are compiled in, tensors give shapes
     input_leaves: list = field(default_factory=list)   # indices of the leaves the graph reads, in order
+    example_requires_grad: list = field(default_factory=list)  # per leaf: a tensor that requires grad
     regions: list = field(default_factory=list)        # higher-order regions inlined at capture
 
 

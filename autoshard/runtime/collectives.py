@@ -20,6 +20,12 @@ import torch.nn.functional as F
 from autoshard.runtime.layout import gather_full, take_shard
 
 
+def _fresh(t):
+    """A custom Function's output that is a view (a padded gather's ``narrow``, a row slice) cannot be
+    written in place by the model's code later (autograd refuses); return a tensor of its own instead."""
+    return t.clone() if t._base is not None else t
+
+
 class CopyToParallel(torch.autograd.Function):
     """f: identity forward; all-reduce the (partial) gradient backward."""
     @staticmethod
@@ -48,7 +54,7 @@ class GatherFromParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, dim, n, blocks):
         ctx.args = (comm, dim, n, blocks)
-        return gather_full(x, dim, n, comm, blocks, "fwd")
+        return _fresh(gather_full(x, dim, n, comm, blocks, "fwd"))
 
     @staticmethod
     def backward(ctx, g):
@@ -61,7 +67,7 @@ class ScatterToParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, dim, n, blocks):
         ctx.args = (comm, dim, n, blocks)
-        return take_shard(x, dim, n, comm.size, comm.rank, blocks).contiguous()
+        return _fresh(take_shard(x, dim, n, comm.size, comm.rank, blocks).contiguous())
 
     @staticmethod
     def backward(ctx, g):

@@ -25,21 +25,23 @@ from autoshard.ir.program import Program
 from autoshard.runtime import training
 from autoshard.runtime.bind import bind
 from autoshard.runtime.comm import AxisComm, Tracer
-from autoshard.runtime.params import ShardedParameters, key
+from autoshard.runtime.params import ShardedParameters
 
 log = logging.getLogger("autoshard")
 
 
 @dataclass(frozen=True)
 class ProgramKey:
-    """What a compiled program is specific to."""
+    """What a compiled program is specific to. ``requires_grad`` is part of it: whether a floating input
+    needs a gradient decides whether the program all-reduces that gradient (Megatron's f)."""
     training: bool
-    inputs: tuple         # per flattened leaf: (shape, dtype) of a tensor, or the value itself
+    inputs: tuple         # per flattened leaf: (shape, dtype, requires_grad) of a tensor, or the value itself
     structure: str        # the pytree spec of (args, kwargs)
 
 
 def program_key(training: bool, leaves, spec) -> ProgramKey:
-    sig = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x for x in leaves)
+    sig = tuple((tuple(x.shape), x.dtype, bool(x.requires_grad)) if isinstance(x, torch.Tensor) else x
+                for x in leaves)
     return ProgramKey(bool(training), sig, str(spec))
 
 
@@ -66,15 +68,18 @@ class ParallelModule(nn.Module):
         self.aliases = dict(program.captured.aliases)
         self._model_buffers = dict(model.named_buffers())
         self._persistent = set(model.state_dict().keys())
-        self._buffer_names = []
+        self._buffer_names = []              # the model's buffers, registered as b0, b1, ... (names may hold "__")
         self._compiler, self.max_programs = compiler, max_programs
-        self._programs = OrderedDict()
+        self._programs = OrderedDict()       # ProgramKey -> (Program, bound graph, its constants)
         self.compile_log = []              # (ProgramKey, seconds) per program compiled after the first
         self._steps = 0
         self.train(model.training)
         self._check_ranks_agree(program, model)
         captured = program.captured
-        self._add(ProgramKey(bool(model.training), tuple(captured.example_leaves), str(captured.in_spec)), program)
+        sig = tuple(leaf + (rg,) if isinstance(leaf, tuple) and len(leaf) == 2 and isinstance(leaf[1], torch.dtype)
+                    else leaf for leaf, rg in zip(captured.example_leaves, captured.example_requires_grad))
+        self._first = program
+        self._add(ProgramKey(bool(model.training), sig, str(captured.in_spec)), program)
         self._register_state_dict_hook(_state_dict_names)
         self._register_load_state_dict_pre_hook(_load_state_dict_names, with_module=True)
 
@@ -82,23 +87,33 @@ class ParallelModule(nn.Module):
     @property
     def program(self) -> Program:
         """The first program compiled (the example inputs', in the model's mode at parallelize time)."""
-        return next(iter(self._programs.values()))[0]
+        return self._first
 
     @property
     def programs(self) -> list:
-        return [p for p, _ in self._programs.values()]
+        return [entry[0] for entry in self._programs.values()]
+
+    def _buffer(self, name):
+        return getattr(self, f"b{self._buffer_names.index(name)}")
 
     def _add(self, k, program):
+        """Cache a program. The model's buffers are shared by every program; constants the forward makes
+        (``torch.tensor(...)``, lifted by export as ``lifted_tensor_0``, ...) belong to their program alone:
+        export numbers them per trace, so another program's ``lifted_tensor_0`` is another tensor."""
+        constants = {}
         for name in program.captured.buffer_names:
-            if key(name) not in self._buffers:
-                b = self._model_buffers.get(name, program.captured.constants.get(name))
-                if b is None:
-                    raise ValueError(f"buffer or constant '{name}' of the captured graph was not found in the model")
-                self.register_buffer(key(name), b.detach().clone(), persistent=name in self._persistent)
-                self._buffer_names.append(name)
-        self._programs[k] = (program, bind(program.gm, self.comms))
+            if name in self._model_buffers:
+                if name not in self._buffer_names:
+                    self.register_buffer(f"b{len(self._buffer_names)}", self._model_buffers[name].detach().clone(),
+                                         persistent=name in self._persistent)
+                    self._buffer_names.append(name)
+            elif name in program.captured.constants:
+                constants[name] = program.captured.constants[name].detach().clone()
+            else:
+                raise ValueError(f"buffer or constant '{name}' of the captured graph was not found in the model")
+        self._programs[k] = (program, bind(program.gm, self.comms), constants)
         while len(self._programs) > self.max_programs:
-            old, _ = self._programs.popitem(last=False)
+            old, _ = self._programs.popitem(last=False)  # (the first program stays reachable as .program)
             log.info("autoshard: dropped the least recently used program (%s) to keep %d", old, self.max_programs)
 
     def _program_for(self, leaves, spec):
@@ -142,9 +157,9 @@ class ParallelModule(nn.Module):
     # --- forward ----------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        program, graph = self._program_for(leaves, spec)
+        program, graph, constants = self._program_for(leaves, spec)
         user = [leaves[i] for i in program.captured.input_leaves]  # the leaves the graph reads (tensors)
-        buffers = [getattr(self, key(b)) for b in program.captured.buffer_names]
+        buffers = [constants[b] if b in constants else self._buffer(b) for b in program.captured.buffer_names]
         flat = graph(*self.params.local_inputs(program.params), *buffers, *user)
         if self.training:
             self._steps += 1
@@ -164,7 +179,7 @@ class ParallelModule(nn.Module):
 
     def local_parameters(self) -> dict:
         """``{original name: parameter}`` (a DTensor on a real mesh, a local tensor otherwise)."""
-        return {name: self.params.shards[key(name)] for name in self.params.records}
+        return {name: self.params.shards[k] for name, k in self.params.keys.items()}
 
     def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The full tensor of parameter ``name``'s shard (or its gradient); a collective when sharded."""
@@ -223,7 +238,7 @@ class ParallelModule(nn.Module):
             out[alias] = out[main]
         for b in self._buffer_names:
             if b in self._persistent:
-                out[b] = getattr(self, key(b)).clone()
+                out[b] = self._buffer(b).clone()
         return out
 
     @torch.no_grad()
@@ -236,29 +251,28 @@ class ParallelModule(nn.Module):
                 self.params.load_full(name, state_dict[name])
         for b in self._buffer_names:
             if b in state_dict:
-                getattr(self, key(b)).copy_(state_dict[b])
+                self._buffer(b).copy_(state_dict[b])
 
 
 def _state_dict_names(module, state_dict, prefix, local_metadata):
-    """``pm.state_dict()`` uses the model's own names (``params.shards.a__b`` -> ``a.b``), and shows
-    ``torch.distributed.checkpoint`` only rectangular chunks (``params.checkpoint_view``)."""
+    """``pm.state_dict()`` uses the model's own names (``params.shards.p3`` -> ``transformer.wte.weight``,
+    ``b0`` -> the buffer's name), and shows ``torch.distributed.checkpoint`` only rectangular chunks
+    (``params.checkpoint_view``)."""
     for k in list(state_dict):
-        if not k.startswith(prefix):
-            continue
-        rest = k[len(prefix):]
-        if rest.startswith("params.shards."):
-            name = rest[len("params.shards."):].replace("__", ".")
+        rest = k[len(prefix):] if k.startswith(prefix) else None
+        if rest is not None and rest.startswith("params.shards."):
+            name = module.params.names[rest[len("params.shards."):]]
             state_dict[prefix + name] = module.params.checkpoint_view(name, state_dict.pop(k))
-        elif "." not in rest:
-            state_dict[prefix + rest.replace("__", ".")] = state_dict.pop(k)
+        elif rest is not None and rest[:1] == "b" and rest[1:].isdigit():
+            state_dict[prefix + module._buffer_names[int(rest[1:])]] = state_dict.pop(k)
     return state_dict
 
 
 def _load_state_dict_names(module, state_dict, prefix, *args):
-    for name in module.params.records:
+    for name, k in module.params.keys.items():
         if prefix + name in state_dict:
             value = module.params.from_checkpoint_view(name, state_dict.pop(prefix + name))
-            state_dict[prefix + "params.shards." + key(name)] = value
-    for b in module._buffer_names:
+            state_dict[prefix + "params.shards." + k] = value
+    for i, b in enumerate(module._buffer_names):
         if prefix + b in state_dict:
-            state_dict[prefix + key(b)] = state_dict.pop(prefix + b)
+            state_dict[prefix + f"b{i}"] = state_dict.pop(prefix + b)

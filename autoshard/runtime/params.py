@@ -36,11 +36,6 @@ except ImportError:  # pragma: no cover
     DTensor = None
 
 
-def key(name: str) -> str:
-    """A parameter name as a ParameterDict key (dots are not allowed there)."""
-    return name.replace(".", "__")
-
-
 def dtensor_placement(placement):
     if isinstance(placement, Shard):
         return _StridedShard(placement.dim, split_factor=placement.blocks) if placement.blocks > 1 \
@@ -62,6 +57,10 @@ class ShardedParameters(nn.Module):
     def __init__(self, records, model: nn.Module, tp_comm, tp_mesh=None):
         super().__init__()
         self.records = {r.name: r for r in records}
+        # ParameterDict keys cannot hold dots, and no encoding of names is safe (a module may be called
+        # ``up__proj``): parameters are kept as p0, p1, ... in record order, with the names beside them.
+        self.keys = {r.name: f"p{i}" for i, r in enumerate(records)}
+        self.names = {v: k for k, v in self.keys.items()}
         self.tp, self.mesh = tp_comm, tp_mesh
         self.shards = nn.ParameterDict()
         full = dict(model.named_parameters(remove_duplicate=False))  # tied names too
@@ -69,7 +68,7 @@ class ShardedParameters(nn.Module):
             p = full[r.name]
             source = self._materialize(model, r.name, p) if p.is_meta else p.detach()
             local = self.slice(source.to(p.dtype), r).clone().contiguous()
-            self.shards[key(r.name)] = nn.Parameter(self._wrap(local, r), requires_grad=p.requires_grad)
+            self.shards[self.keys[r.name]] = nn.Parameter(self._wrap(local, r), requires_grad=p.requires_grad)
 
     # --- layout ---------------------------------------------------------------------------------------
     def slice(self, full, record):
@@ -96,7 +95,7 @@ class ShardedParameters(nn.Module):
 
     def local(self, name):
         """The local tensor of parameter ``name`` as stored (a DTensor's local part, with autograd)."""
-        p = self.shards[key(name)]
+        p = self.shards[self.keys[name]]
         return p.to_local() if DTensor is not None and isinstance(p, DTensor) else p
 
     def local_inputs(self, records) -> list:
