@@ -56,6 +56,26 @@ def _mode(model: nn.Module, training):
         model.train(was)
 
 
+_MATMULS = {"linear", "mm", "addmm", "matmul", "bmm", "baddbmm", "scaled_dot_product_attention"}
+
+
+def _check_compute_dtypes(gm, dtype):
+    """Under mixed precision every matmul must see the compute dtype. An fp32 buffer (a sinusoidal
+    position table, say) added into the activations promotes them back to fp32 and would fail at the
+    first step inside the program: say which module, and what to do, at compile time instead."""
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or getattr(getattr(n.target, "overloadpacket", None), "__name__", "") not in _MATMULS:
+            continue
+        floats = {a.meta["val"].dtype for a in n.all_input_nodes
+                  if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].is_floating_point()}
+        if len(floats) > 1:
+            stack = n.meta.get("nn_module_stack") or {}
+            where = (next(reversed(stack.values()))[0] if stack else "") or "the top module"
+            raise ValueError(f"mixed_precision: '{where}' multiplies {sorted(map(str, floats))} tensors in "
+                             f"{n.target}: an fp32 buffer or constant reaches the {dtype} activations. Cast it in "
+                             "the model (for example `pe.to(x.dtype)`), or parallelize without mixed_precision")
+
+
 def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwargs=None,
                  options: CompileOptions | None = None, captured: Captured | None = None,
                  training: bool | None = None) -> Program:
@@ -77,6 +97,8 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
         traced = compute_twin(model, COMPUTE_DTYPES[options.mixed_precision]) if options.mixed_precision else model
         with _mode(traced, training if training is not None else model.training):
             captured = capture(traced, tuple(example_args), dict(example_kwargs or {}))
+        if options.mixed_precision:
+            _check_compute_dtypes(captured.gm, COMPUTE_DTYPES[options.mixed_precision])
     out = dump_dir(options.dump)
     if out and rank != 0:
         out = f"{out}/rank{rank}"

@@ -119,7 +119,7 @@ def _functionalize(g, n) -> bool:
             pure.kwargs = {"dtype": dtype}
             pure.meta["val"] = _meta(x)
     for u in list(x.users):
-        if u not in (n, pure) and order[u] > order[n]:
+        if u is not n and order.get(u, -1) > order[n]:   # (nodes made here are not in `order`)
             u.replace_input_with(x, pure)   # later reads see the written value
     n.replace_all_uses_with(pure)
     g.erase_node(n)

@@ -95,3 +95,20 @@ def test_heads_not_divisible_in_eager_attention():
     model = build("gpt", n_layer=1, n_head=4, flash=False)   # matmul -> softmax -> matmul, no sdpa
     with pytest.raises(ValueError, match=r"'transformer.h.0.attn' has 4 heads, which tp=3 does not divide"):
         autoshard.compile_rank(model, {"tp": 3}, 0, *batch("gpt", 96))
+
+
+def test_mixed_precision_names_an_fp32_buffer_that_reaches_a_matmul():
+    class PositionTable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.fc = nn.Embedding(64, 16), nn.Linear(16, 16)
+            self.register_buffer("pe", torch.randn(8, 16))
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            h = h + self.pe   # fp32 into bf16 activations: promotes them (an in-place += keeps bf16, and runs)
+            return self.fc(h).sum()
+
+    with pytest.raises(ValueError, match=r"mixed_precision: 'fc' multiplies .*bfloat16.*float32.*Cast it in the model"):
+        autoshard.compile_rank(PositionTable(), {"tp": 2}, 0, (torch.randint(0, 64, (2, 8)),),
+                               options=autoshard.CompileOptions(mixed_precision="bf16"))
