@@ -24,6 +24,7 @@ from autoshard.passes import dump as D
 from autoshard.passes.capture import capture
 from autoshard.passes.lower import collective_records, param_records
 from autoshard.passes.manager import PassContext, check_pass_list, run_passes
+from autoshard.passes.shapes import module_path
 from autoshard.runtime.comm import comms_for_mesh
 from autoshard.runtime.module import ParallelModule
 
@@ -69,9 +70,7 @@ def _check_compute_dtypes(gm, dtype):
         floats = {a.meta["val"].dtype for a in n.all_input_nodes
                   if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].is_floating_point()}
         if len(floats) > 1:
-            stack = n.meta.get("nn_module_stack") or {}
-            where = (next(reversed(stack.values()))[0] if stack else "") or "the top module"
-            raise ValueError(f"mixed_precision: '{where}' multiplies {sorted(map(str, floats))} tensors in "
+            raise ValueError(f"mixed_precision: '{module_path(n)}' multiplies {sorted(map(str, floats))} tensors in "
                              f"{n.target}: an fp32 buffer or constant reaches the {dtype} activations. Cast it in "
                              "the model (for example `pe.to(x.dtype)`), or parallelize without mixed_precision")
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autoshard.ir import meta as M
-from autoshard.passes.shapes import shape_of
+from autoshard.passes.shapes import module_path, shape_of
 
 aten = torch.ops.aten
 _PROJECTIONS = {aten.linear, aten.mm, aten.addmm, aten.matmul}
@@ -41,11 +41,6 @@ class AttentionLayout:
     def describe(self, t: int) -> str:
         kv = "?" if self.kv_heads is None else self.kv_heads
         return f"`{self.module}`: {self.q_heads} query heads, {kv} kv heads at tp={t}: {self.decision}"
-
-
-def _module(node):
-    stack = node.meta.get("nn_module_stack") or {}
-    return next(reversed(stack.values()))[0] if stack else node.name
 
 
 def _weights_behind(node, limit=40):
@@ -101,7 +96,7 @@ def attention_layouts(gm, t: int) -> list:
         heads, hd = qs[1], qs[-1]
         q_w = {w.name for w in _weights_behind(q)}
         kv = [w for w in _weights_behind(k) + _weights_behind(v) if w.name not in q_w]
-        lay = AttentionLayout(n.name, _module(n), heads, None, sorted({M.NAME.get(w) for w in kv}))
+        lay = AttentionLayout(n.name, module_path(n), heads, None, sorted({M.NAME.get(w) for w in kv}))
         widths = {shape_of(w)[0] if shape_of(w)[0] % hd == 0 else shape_of(w)[1] for w in kv}
         if not kv or len(widths) != 1:
             lay.decision = "q, k and v come from one fused projection: the planner shards it per block where exact"

@@ -19,7 +19,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from autoshard.passes.shapes import shape_of
+from autoshard.passes.shapes import module_path, shape_of
 
 aten = torch.ops.aten
 
@@ -159,10 +159,8 @@ def canonicalize_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
         elif _out_of_place(n) is not None and not _functionalize(g, n) and ctx is not None and ctx.mesh.tp > 1:
             # The written value has views (or is one). Sharding moves a view and its base through different
             # collectives, so the write would not reach the view: a silent wrong result. Say so instead.
-            stack = n.meta.get("nn_module_stack") or {}
-            where = (next(reversed(stack.values()))[0] if stack else "") or "the top module"
             raise NotImplementedError(
-                f"'{where}' writes in place ({n.target}) to a tensor that has views: tensor parallelism cannot "
+                f"'{module_path(n)}' writes in place ({n.target}) to a tensor that has views: tensor parallelism cannot "
                 f"keep that aliasing across shards. Write it out of place (for example `h = h * 2` instead of "
                 f"`h.mul_(2)`), or run with tp=1")
     g.lint()

@@ -32,7 +32,7 @@ from autoshard.ir.redistribute import volume
 from autoshard.passes.attention import attention_layouts, replicated_by_design
 from autoshard.passes.cost import collectives_time, flops, transition
 from autoshard.passes.rules import RuleContext, Strategy, block_hints, shard_options, strategies_for
-from autoshard.passes.shapes import shape_of, val
+from autoshard.passes.shapes import module_path, shape_of, val
 
 FORBIDDEN = 1e9  # seconds: a choice the ILP must never take
 
@@ -81,11 +81,6 @@ def dp_placement(node, dependent: set):
     if node not in dependent or not isinstance(val(node), torch.Tensor):
         return R
     return Shard(0) if val(node).dim() > 0 else P
-
-
-def _module_path(node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    return next(reversed(stack.values()))[0] or "<top>" if stack else "<top>"
 
 
 def partial_grad_use(strategy: Strategy, pos: int) -> bool:
@@ -176,7 +171,7 @@ def build_problem(gm, ctx: RuleContext, cm: CostModel, pins: dict, rg: dict, rep
         raise PlanError(f"pinned parameter(s) {sorted(unknown_pins)} are not parameters of the model")
 
     fixed = {n for n, ss in strategies.items() if len(ss) == 1}
-    prob = Problem(strategies, fixed, {}, unruled=[f"`{n.name}` (`{n.target}`) in `{_module_path(n)}`"
+    prob = Problem(strategies, fixed, {}, unruled=[f"`{n.name}` (`{n.target}`) in `{module_path(n)}`"
                                                    for n in ctx.unruled])
     for n, ss in strategies.items():
         if n not in fixed:

@@ -19,6 +19,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from autoshard.passes.shapes import module_path
+
 aten = torch.ops.aten
 
 
@@ -33,11 +35,6 @@ def _hop_name(node):
     return None
 
 
-def _where(node):
-    stack = node.meta.get("nn_module_stack") or {}
-    return next(reversed(stack.values()))[0] if stack else "<top>"
-
-
 def _subgraph_index(node, name):
     """(index of the subgraph's get_attr argument, whether its outputs leave a no-grad region)."""
     if name == "wrap_with_set_grad_enabled":
@@ -45,11 +42,11 @@ def _subgraph_index(node, name):
     if name == "wrap_with_autocast":
         enabled = node.args[2]
         if enabled:
-            raise RegionError(f"the forward of '{_where(node)}' was captured under torch.autocast: autoshard "
+            raise RegionError(f"the forward of '{module_path(node)}' was captured under torch.autocast: autoshard "
                               "compiles the model as written; call parallelize outside autocast (mixed precision "
                               "is an option of parallelize, not an ambient autocast)")
         return 4, False
-    raise RegionError(f"'{_where(node)}' uses the higher-order op '{name}' ({node.format_node()}), which autoshard "
+    raise RegionError(f"'{module_path(node)}' uses the higher-order op '{name}' ({node.format_node()}), which autoshard "
                       "cannot plan: rewrite that part of the forward without it (torch.cond, flex_attention and "
                       "checkpoint regions are not supported yet)")
 
@@ -73,14 +70,14 @@ def inline_regions(gm: fx.GraphModule) -> list:
                 outs = [_detach(g, o) for o in outs]
         for user in list(n.users):
             if user.op != "call_function" or user.target is not operator.getitem:
-                raise RegionError(f"region '{name}' in '{_where(n)}' is read by {user.format_node()}, not by "
+                raise RegionError(f"region '{name}' in '{module_path(n)}' is read by {user.format_node()}, not by "
                                   "getitem: an export layout autoshard does not know")
             user.replace_all_uses_with(outs[user.args[1]])
             g.erase_node(user)
         g.erase_node(n)
         if not get_attr.users:
             g.erase_node(get_attr)
-        inlined.append(f"{name} in {_where(n)}")
+        inlined.append(f"{name} in {module_path(n)}")
     gm.delete_all_unused_submodules()
     g.lint()
     gm.recompile()

@@ -9,6 +9,13 @@ def val(node):
     return node.meta.get("val") if hasattr(node, "meta") else None
 
 
+def module_path(node) -> str:
+    """The module a node comes from (``transformer.h.3.attn``), from export's ``nn_module_stack``; what
+    every error message and dump names (an ATen node name alone tells a user nothing)."""
+    stack = (node.meta.get("nn_module_stack") or {}) if hasattr(node, "meta") else {}
+    return (next(reversed(stack.values()))[0] if stack else "") or "the top module"
+
+
 def shape_of(node):
     v = val(node)
     return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None

@@ -14,18 +14,13 @@ import torch.fx as fx
 
 from autoshard.ir import meta as M
 from autoshard.passes.attention import attention_layouts
+from autoshard.passes.shapes import module_path
 
 aten = torch.ops.aten
 
 
 class ShapeCheckError(AssertionError):
     """The local program computes another shape than the plan says: a compiler bug, with the node."""
-
-
-def module_path(node) -> str:
-    """The source module of a node (``transformer.h.3.attn``), from export's ``nn_module_stack``."""
-    stack = node.meta.get("nn_module_stack") or {}
-    return next(reversed(stack.values()))[0] if stack else node.name
 
 
 def check_heads_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
