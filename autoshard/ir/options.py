@@ -22,6 +22,11 @@ def pg_timeout_seconds() -> float:
     return float(os.environ.get("AUTOSHARD_TIMEOUT", "300"))
 
 
+def check_replicas_every() -> int:
+    """``AUTOSHARD_CHECK_REPLICAS=N``: compare replicated parameters across ranks every N training steps."""
+    return int(os.environ.get("AUTOSHARD_CHECK_REPLICAS", "0") or 0)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Machine constants the planner prices plans with. Defaults: one NVLink-class link, one GPU."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from autoshard.ir import meta as M
+from autoshard.ir.options import check_replicas_every
 from autoshard.ir.program import Program
 from autoshard.runtime import training
 from autoshard.runtime.bind import bind
@@ -69,6 +69,8 @@ class ParallelModule(nn.Module):
         self._model_buffers = dict(model.named_buffers())
         self._persistent = set(model.state_dict().keys())
         self._buffer_names = []              # the model's buffers, registered as b0, b1, ... (names may hold "__")
+        self._buffer_attr = {}               # buffer name -> its attribute (b0, b1, ...)
+        self._check_every = check_replicas_every()
         self._compiler, self.max_programs = compiler, max_programs
         self._programs = OrderedDict()       # ProgramKey -> (Program, bound graph, its constants)
         self.compile_log = []              # (ProgramKey, seconds) per program compiled after the first
@@ -94,7 +96,7 @@ class ParallelModule(nn.Module):
         return [entry[0] for entry in self._programs.values()]
 
     def _buffer(self, name):
-        return getattr(self, f"b{self._buffer_names.index(name)}")
+        return getattr(self, self._buffer_attr[name])
 
     def _add(self, k, program):
         """Cache a program. The model's buffers are shared by every program; constants the forward makes
@@ -103,8 +105,9 @@ class ParallelModule(nn.Module):
         constants = {}
         for name in program.captured.buffer_names:
             if name in self._model_buffers:
-                if name not in self._buffer_names:
-                    self.register_buffer(f"b{len(self._buffer_names)}", self._model_buffers[name].detach().clone(),
+                if name not in self._buffer_attr:
+                    self._buffer_attr[name] = f"b{len(self._buffer_names)}"
+                    self.register_buffer(self._buffer_attr[name], self._model_buffers[name].detach().clone(),
                                          persistent=name in self._persistent)
                     self._buffer_names.append(name)
             elif name in program.captured.constants:
@@ -163,8 +166,7 @@ class ParallelModule(nn.Module):
         flat = graph(*self.params.local_inputs(program.params), *buffers, *user)
         if self.training:
             self._steps += 1
-            every = int(os.environ.get("AUTOSHARD_CHECK_REPLICAS", "0") or 0)
-            if every and self._steps % every == 0:
+            if self._check_every and self._steps % self._check_every == 0:
                 self.check_replicas()
         return pytree.tree_unflatten(list(flat), program.captured.out_spec)
 
