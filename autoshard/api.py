@@ -17,16 +17,22 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autoshard.ir import meta as M
-from autoshard.ir.options import CompileOptions, dump_dir
+from autoshard.ir.options import CompileOptions, PipelineOptions, dump_dir
+from autoshard.ir.pipeline import LOSS_REWRITE, STAGE_PLAN, PipelineProgram
 from autoshard.ir.program import Captured, Program
+from autoshard.ir.schedule import add_communication, validate
 from autoshard.mesh import mesh_spec
 from autoshard.passes import dump as D
 from autoshard.passes.capture import capture
+from autoshard.passes.dump_pipeline import write_pipeline
 from autoshard.passes.lower import collective_records, param_records
 from autoshard.passes.manager import PassContext, check_pass_list, run_passes
+from autoshard.passes.pipeline_split import make_schedule
+from autoshard.passes.stages import split_chunks
 from autoshard.passes.shapes import module_path
 from autoshard.runtime.comm import comms_for_mesh
 from autoshard.runtime.module import ParallelModule
+from autoshard.runtime.pipeline import PipelineModule, split_batch
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16}
 
@@ -86,9 +92,11 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
     """
     options = options or CompileOptions()
     spec = mesh_spec(mesh)
-    if spec.pp > 1 or spec.dp > 1:
-        raise NotImplementedError(f"mesh {spec}: pipeline and data parallelism are not implemented yet "
-                                  "(tensor parallelism only); use a mesh with dp=1 and pp=1")
+    if spec.dp > 1:
+        raise NotImplementedError(f"mesh {spec}: data parallelism is not implemented yet; use a mesh with dp=1")
+    if spec.pp > 1 and options.pipeline is None:
+        raise ValueError(f"mesh {spec} has a pipeline axis: compile it with compile_pipeline (parallelize does) "
+                         "and train with pm.step")
     spec.coords(rank)  # a clear error for a rank outside the mesh
     check_pass_list(options.disable)
     start = time.perf_counter()
@@ -111,10 +119,67 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
     return prog
 
 
+def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example_kwargs=None,
+                     options: CompileOptions | None = None) -> PipelineProgram:
+    """Compile ``model``'s training step for global ``rank`` of ``mesh`` as a pipeline of ``pp x v`` stages
+    over ``options.pipeline.microbatches`` microbatches. The example inputs are the whole batch.
+
+    The model is captured on one microbatch and planned for tensor parallelism as one graph (so every
+    boundary and every tied weight has one placement), then cut into stages (``passes/stages.py``). Every
+    rank compiles every stage, so all ranks agree on the plan; each runs its own."""
+    options = options or CompileOptions(pipeline=PipelineOptions())
+    if options.pipeline is None:
+        options = dataclasses.replace(options, pipeline=PipelineOptions())
+    options = dataclasses.replace(options, loss_only=True)
+    spec = mesh_spec(mesh)
+    if spec.dp > 1:
+        raise NotImplementedError(f"mesh {spec}: data parallelism is not implemented yet; use a mesh with dp=1")
+    spec.coords(rank)
+    check_pass_list(options.disable)
+    start = time.perf_counter()
+    popts = options.pipeline
+    schedule = add_communication(make_schedule(popts.schedule, spec.pp, popts.microbatches, popts.virtual_stages))
+    validate(schedule)
+    leaves, in_spec = torch.utils._pytree.tree_flatten((tuple(example_args), dict(example_kwargs or {})))
+    args, kwargs = torch.utils._pytree.tree_unflatten(split_batch(leaves, popts.microbatches)[0], in_spec)
+    traced = compute_twin(model, COMPUTE_DTYPES[options.mixed_precision]) if options.mixed_precision else model
+    with _mode(traced, True):
+        captured = capture(traced, tuple(args), dict(kwargs))
+    if options.mixed_precision:
+        _check_compute_dtypes(captured.gm, COMPUTE_DTYPES[options.mixed_precision])
+    out = dump_dir(options.dump)
+    if out and rank != 0:
+        out = f"{out}/rank{rank}"
+    local, timings = run_passes(captured.gm, PassContext(spec, rank, options, out))
+    plan = local.meta[STAGE_PLAN]
+    chunks, plan.recomputed = split_chunks(local, plan)
+    prog = PipelineProgram(captured, spec, rank, options, chunks, schedule, plan, local.meta[LOSS_REWRITE],
+                           collective_records(local), D.model_symbols(captured.gm), time.perf_counter() - start,
+                           local.meta.get(M.PLAN_REPORT), timings, gm=local)
+    if out:
+        write_pipeline(prog, out)
+    return prog
+
+
+def _tie_groups(spec, rank: int, ties: dict) -> dict:
+    """One process group per set of pp ranks sharing a weight, for every (dp, tp) coordinate: every rank
+    creates every group in the same order (``new_group`` is collective), and keeps its own."""
+    mine, coords = {}, spec.coords(rank)
+    for ranks in sorted({tuple(r) for r in ties.values()}):
+        for dp in range(spec.dp):
+            for tp in range(spec.tp):
+                members = [spec.rank_of({"dp": dp, "pp": r, "tp": tp}) for r in ranks]
+                group = dist.new_group(members)
+                if rank in members and (dp, tp) == (coords["dp"], coords["tp"]):
+                    mine[ranks] = group
+    return {name: mine[tuple(r)] for name, r in ties.items() if tuple(r) in mine}
+
+
 def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *, pins: dict | None = None,
                 loss_only: bool = False, dump: str | None = None, cost_model=None, disable=(),
-                mixed_precision: str | None = None, max_programs: int = 8,
-                options: CompileOptions | None = None) -> ParallelModule:
+                mixed_precision: str | None = None, max_programs: int = 8, microbatches: int | None = None,
+                schedule: str = "1f1b", virtual_stages: int = 1, pipeline_cuts=None, memory_limit=None,
+                options: CompileOptions | None = None):
     """Tensor-parallel ``model`` over ``mesh["tp"]``: an ``nn.Module`` holding this rank's shards.
 
     ``example_args``/``example_kwargs`` are traced first; other shapes, and the other of train/eval
@@ -124,18 +189,34 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     gradients and computes in bf16; ``dump`` (or ``AUTOSHARD_DUMP``) writes the pass dumps and
     ``plan.md``; ``disable`` names passes to skip. The keywords build one ``CompileOptions``; pass
     ``options=`` instead to give it whole.
+
+    With a ``pp`` axis in the mesh (or ``microbatches`` given), the result is a ``PipelineModule``: train
+    it with ``pm.step(*batch)``, which splits the whole batch into ``microbatches`` and runs
+    ``schedule`` ("gpipe", "1f1b" or "interleaved" with ``virtual_stages`` chunks per rank), with stages
+    cut by the cost model or at ``pipeline_cuts`` (layer indices), within ``memory_limit`` bytes per rank.
     """
+    spec = mesh_spec(mesh)
+    pipelined = spec.pp > 1 or microbatches is not None
     if options is None:
         options = CompileOptions(pins=pins or {}, loss_only=loss_only, dump=dump, disable=disable,
                                  mixed_precision=mixed_precision)
         if cost_model is not None:
             options.cost_model = cost_model
-    spec = mesh_spec(mesh)
+        if pipelined:
+            options.pipeline = PipelineOptions(microbatches or 1, schedule, virtual_stages, pipeline_cuts,
+                                               memory_limit)
+    pipelined = pipelined or options.pipeline is not None
     real_mesh = hasattr(mesh, "get_group")
     if spec.size > 1 and not real_mesh:
         raise ValueError("parallelize needs a DeviceMesh from autoshard.init_mesh for more than one rank; "
                          "use autoshard.compile_rank for compile-only runs")
     rank = dist.get_rank() if dist.is_initialized() else 0
+    if pipelined:
+        program = compile_pipeline(model, spec, rank, example_args, example_kwargs, options)
+        comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
+        peers = spec.group_ranks(rank, "pp")
+        ties = _tie_groups(spec, rank, program.ties()) if spec.pp > 1 else {}
+        return PipelineModule(program, model, comms, mesh["tp"] if real_mesh else None, peers, ties)
     prog = compile_rank(model, spec, rank, example_args, example_kwargs, options)
 
     def compiler(args, kwargs, training, pinned):

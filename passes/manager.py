@@ -25,8 +25,10 @@ from autoshard.ir.options import CompileOptions
 from autoshard.passes import dump as D
 from autoshard.passes.bias import decompose_bias_pass, fuse_bias_pass
 from autoshard.passes.canonicalize import canonicalize_pass
+from autoshard.passes.microbatch_loss import microbatch_loss_pass
 from autoshard.passes.outputs import loss_only_pass
 from autoshard.passes.overlap import overlap_grad_allreduce_pass
+from autoshard.passes.pipeline_split import pipeline_split_pass
 from autoshard.passes.plan import plan_pass
 from autoshard.passes.tp_rewrite import tp_rewrite_pass
 from autoshard.passes.validate import check_heads_pass, check_local_shapes_pass
@@ -61,6 +63,11 @@ PASSES = [
     Pass("canonicalize", canonicalize_pass, "ops in the spelling the rules know; in-place ops made pure"),
     Pass("check_heads", check_heads_pass, "heads tp does not divide are an error before any work is done"),
     Pass("loss_only", loss_only_pass, "drop outputs before planning, so nothing is priced for gathering them"),
+    Pass("microbatch_loss", microbatch_loss_pass,
+         "pm.step: the mean cross-entropy as sum / num_items, exact over microbatches with ignore_index"),
+    Pass("pipeline_split", pipeline_split_pass,
+         "pm.step: cut where only the residual stream crosses, balanced by cost (plan.md: Pipeline)",
+         requires=(M.KIND, M.NAME)),
     Pass("decompose_bias", decompose_bias_pass, "a row-parallel bias must be added after the all-reduce"),
     Pass("plan", plan_pass, "placements for every node, from the op rules and the ILP",
          requires=CAPTURED, provides=(M.STRATEGY, M.SPEC, M.REQUIRES_GRAD)),

@@ -29,7 +29,7 @@ from autoshard.ir.schedule import (
     one_f_one_b,
     validate,
 )
-from autoshard.runtime.simulator import Costs, simulate
+from autoshard.ir.simulator import Costs, simulate
 
 CASES = ([("gpipe", pp, m, 1) for pp in (2, 4) for m in (4, 8, 16)]
          + [("1f1b", pp, m, 1) for pp in (2, 4) for m in (4, 8, 16)]

@@ -44,6 +44,39 @@ class CostModel:
     # the loss stays vocab-parallel instead of gathering or all-reducing the logits. Every sub-layer's
     # residual needs one such replica in any plan, so the penalty does not distort the block layout.
     replicate_memory_factor: float = 1000.0
+    # Pipeline stage balancing only: a pointwise op is priced by the bytes it moves, a matmul by its flops.
+    memory_bandwidth: float = 2e12    # bytes/s of one rank's memory
+    p2p_bandwidth: float = 25e9       # bytes/s of one boundary send between pipeline ranks
+    p2p_latency: float = 20e-6        # s per boundary send
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How ``pm.step`` runs a batch: ``microbatches`` (m), the schedule, ``virtual_stages`` (v, model
+    chunks per pipeline rank: only the interleaved schedule takes v > 1), optional ``cuts`` (the layer
+    index each stage after the first starts at: ``pipeline_cuts``), and an optional ``memory_limit`` in
+    bytes per rank that the stage balancer must respect."""
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    cuts: tuple | None = None
+    memory_limit: float | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ValueError(f"microbatches must be an int >= 1, got {self.microbatches!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: choose one of {SCHEDULES}")
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise ValueError(f"virtual_stages must be an int >= 1, got {self.virtual_stages!r}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (Megatron's "
+                             f"interleaved 1F1B); '{self.schedule}' runs one stage per rank")
+        if self.cuts is not None:
+            object.__setattr__(self, "cuts", tuple(int(c) for c in self.cuts))
 
 
 @dataclass
@@ -55,6 +88,7 @@ class CompileOptions:
     disable: tuple = ()                               # pass names to skip (bisecting)
     dump: str | None = None                           # directory for pass dumps (or AUTOSHARD_DUMP)
     mixed_precision: str | None = None                # "bf16": fp32 parameters, bf16 compute
+    pipeline: PipelineOptions | None = None           # set for pm.step programs (microbatches, stages)
 
     def __post_init__(self):
         self.pins = dict(self.pins or {})

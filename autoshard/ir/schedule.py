@@ -1,7 +1,7 @@
 """Pipeline schedules as data: per rank, the ordered list of actions it runs in one training step.
 
 A schedule is only a list of ``Action``s per rank, so it can be printed, compared, checked and simulated
-(``autoshard.runtime.simulator``) before any process runs it; the executor walks the same list. As in
+(``autoshard.ir.simulator``) before any process runs it; the executor walks the same list. As in
 torch's ``pipelining/schedules.py``, generators emit *compute-only* schedules (forwards and backwards)
 and a lowering pass, ``add_communication``, inserts the boundary transfers.
 

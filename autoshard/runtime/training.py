@@ -18,8 +18,9 @@ from autoshard.ir.placement import Shard
 def _local_grads(pm):
     """(sharded local grads, replicated grads): every replicated gradient is whole on every tp rank."""
     sharded, replicated = [], []
+    skip = getattr(pm, "duplicate_params", ())   # a tied weight's second copy on another pp rank
     for name, p in pm.local_parameters().items():
-        if p.grad is None:
+        if p.grad is None or name in skip:
             continue
         g = p.grad
         g = g.to_local() if hasattr(g, "to_local") else g
@@ -32,15 +33,17 @@ def total_norm(pm, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of every gradient of the model, as the single-device model would compute it."""
     norm_type = float(norm_type)
     sharded, replicated = _local_grads(pm)
-    tp = pm.tp
+    tp, pp = pm.tp, pm.comms["pp"]
     device = (sharded + replicated)[0].device if sharded + replicated else torch.device("cpu")
     if norm_type == float("inf"):
         local = torch.stack([g.abs().max().float() for g in sharded + replicated] or [torch.zeros((), device=device)]).max()
-        return tp.all_reduce(local.reshape(1), "clip", op=dist.ReduceOp.MAX)[0]
+        local = tp.all_reduce(local.reshape(1), "clip", op=dist.ReduceOp.MAX)
+        return pp.all_reduce(local, "clip", op=dist.ReduceOp.MAX)[0]
     # sum |g|^p: shards summed over tp, replicas counted once (they are identical on every rank)
     part = sum((g.float().abs() ** norm_type).sum() for g in sharded) if sharded else torch.zeros((), device=device)
     whole = sum((g.float().abs() ** norm_type).sum() for g in replicated) if replicated else torch.zeros((), device=device)
     total = tp.all_reduce(torch.as_tensor(part, dtype=torch.float32).reshape(1).clone(), "clip")[0] + whole
+    total = pp.all_reduce(total.reshape(1).clone(), "clip")[0]   # every pipeline stage's share
     return total ** (1.0 / norm_type)
 
 
@@ -56,8 +59,10 @@ def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0, error_if_nonfin
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({float(norm)}): "
                            "every rank stops here; pass error_if_nonfinite=False to clip anyway")
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    sharded, replicated = _local_grads(pm)
-    for g in sharded + replicated:
+    for p in pm.local_parameters().values():
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
         g.mul_(coef.to(g.dtype))
     return norm
 

@@ -1,0 +1,136 @@
+"""The records of a pipelined program: where the model is cut, what each stage costs, how the loss is
+combined over microbatches, and the per-stage graphs a rank runs.
+
+Written by the passes (``passes/pipeline_split.py``, ``passes/microbatch_loss.py``, ``passes/stages.py``),
+read by the runtime (``runtime/pipeline.py``) and the dump. Plain data: nothing here runs a collective.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from autoshard.ir.mesh import MeshSpec
+from autoshard.ir.options import CompileOptions
+from autoshard.ir.schedule import Schedule
+
+STAGE_PLAN = "autoshard_stage_plan"      # GraphModule.meta key: the StagePlan (pipeline_split)
+LOSS_REWRITE = "autoshard_loss_rewrite"  # GraphModule.meta key: the LossRewrite (microbatch_loss)
+NUM_ITEMS = "num_items"                  # the placeholder the rewritten loss divides by
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage (model chunk) for one microbatch, as the balancer priced it."""
+    forward_seconds: float
+    flops: float
+    param_bytes: int          # parameters, gradients and AdamW state this stage holds (fp32)
+    activation_bytes: int     # what one microbatch's forward keeps for its backward
+    layers: tuple = ()        # the layer indices (of the model's repeated block) it holds
+
+
+@dataclass
+class StagePlan:
+    """Where the captured graph is cut. ``boundaries[k]`` names the node whose value chunk k sends to
+    chunk k+1 (the residual stream); ``costs[k]`` is chunk k's predicted cost."""
+    num_stages: int
+    boundaries: list
+    costs: list
+    how: str                                     # "balanced" | "pipeline_cuts"
+    candidates: int                              # cut points the graph offers
+    layer_count: int = 0
+    predicted_step: float = 0.0                  # seconds, simulated with the chosen schedule
+    predicted_peak_bytes: dict = field(default_factory=dict)   # pp rank -> params + activations
+    uniform: dict | None = None                  # uniform layer cuts for comparison: cuts, step, peak
+    recomputed: dict = field(default_factory=dict)   # chunk -> input-only nodes it recomputes (not sent)
+
+
+@dataclass
+class LossRewrite:
+    """How the loss of a whole batch is made from microbatches. ``exact``: the mean cross-entropy was
+    rewritten as ``sum / num_items`` and ``count`` counts the non-ignored targets of one microbatch;
+    otherwise the loss is divided by the number of microbatches (the mean of microbatch means)."""
+    exact: bool
+    reason: str
+    count: fx.GraphModule | None = None
+    count_inputs: list = field(default_factory=list)   # user input names the count graph reads
+
+
+@dataclass(frozen=True)
+class ChunkInput:
+    """One placeholder of a chunk graph: ``kind`` is boundary, parameter, buffer or input."""
+    kind: str
+    name: str
+
+
+@dataclass
+class Chunk:
+    """One stage's local graph. It reads the previous stage's boundary value (all but the first), the
+    parameters, buffers and user inputs it uses, and returns its boundary value, or the loss (last)."""
+    index: int
+    gm: fx.GraphModule
+    inputs: list                 # [ChunkInput], placeholder order
+    params: list                 # [ParamRecord]
+    in_shape: tuple | None       # local shape and dtype of the boundary it receives
+    in_dtype: torch.dtype | None
+    out_shape: tuple             # local shape and dtype of what it returns
+    out_dtype: torch.dtype
+    last: bool
+
+    @property
+    def param_names(self) -> list:
+        return [r.name for r in self.params]
+
+
+@dataclass
+class PipelineProgram:
+    """One rank's pipelined program: every chunk's graph (all ranks compile the same plan; each keeps
+    the chunks of its own pp coordinate), the schedule with its transfers, and the records above."""
+    captured: object             # Captured (microbatch shapes)
+    mesh: MeshSpec
+    rank: int
+    options: CompileOptions
+    chunks: list                 # [Chunk], every stage
+    schedule: Schedule           # lowered (add_communication)
+    plan: StagePlan
+    loss: LossRewrite
+    collectives: list            # [CollectiveRecord] of the whole local graph
+    symbols: dict
+    compile_seconds: float = 0.0
+    report: object = None
+    timings: dict = field(default_factory=dict)
+    gm: fx.GraphModule | None = None     # the whole local graph before the cut (for plan.md)
+
+    @property
+    def coords(self) -> dict:
+        return self.mesh.coords(self.rank)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh.coords(self.rank)["pp"]
+
+    @property
+    def own(self) -> list:
+        """The chunks this rank runs, in stage order."""
+        return [self.chunks[s] for s in self.schedule.stages_of(self.pp_rank)]
+
+    @property
+    def params(self) -> list:
+        """This rank's ParamRecords, each once (a tied weight on two of its chunks is one tensor)."""
+        seen, out = set(), []
+        for c in self.own:
+            for r in c.params:
+                if r.name not in seen:
+                    seen.add(r.name)
+                    out.append(r)
+        return out
+
+    def ties(self) -> dict:
+        """Parameters held by more than one pp rank: ``{name: sorted pp ranks}`` (Megatron's embedding
+        group). Their gradients are summed over those ranks before the optimizer step."""
+        where: dict = {}
+        for c in self.chunks:
+            for name in c.param_names:
+                where.setdefault(name, set()).add(self.schedule.rank_of(c.index))
+        return {n: sorted(r) for n, r in where.items() if len(r) > 1}

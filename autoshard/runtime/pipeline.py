@@ -1,0 +1,418 @@
+"""The pipeline executor: one rank runs its action list (``ir.schedule``) over its stages' graphs.
+
+``PipelineModule.step(*args, **kwargs)`` splits the batch into m microbatches and walks this rank's
+actions in order:
+
+- ``F``: run the stage's graph on the received boundary (a leaf that requires grad), keep the input and
+  the output until the backward, and queue the output for the next stage;
+- ``B``: ``autograd.backward`` from the output with the received gradient (from the loss on the last
+  stage), queue the input's gradient for the previous stage, then drop both: an activation lives from
+  its forward to its backward and no longer;
+- ``SEND_*``/``RECV_*``: consecutive transfers go out as one ``batch_isend_irecv``; a receive is waited
+  for only when a compute needs it, sends at the end of the step. Shapes and dtypes come from the
+  compiled chunks, so no shape handshake precedes a transfer. Tags name (direction, stage, microbatch).
+
+Sends never block and the schedule's dependency graph is acyclic (``schedule.validate``), so the walk
+cannot deadlock. A wait that fails (a peer raised or died) or outlives ``AUTOSHARD_TIMEOUT`` raises on
+this rank, naming the peer, so every rank exits with an error within the timeout.
+
+The loss is ``sum / num_items`` per microbatch (``passes/microbatch_loss.py``), so the sum over
+microbatches is the whole batch's loss and the gradients are the single-device model's. A weight used on
+two ranks' stages (a tied embedding and LM head) is held by both; their gradients are summed over the
+ranks that hold it after the last backward (Megatron's embedding group), so the copies stay identical.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from autoshard.ir.options import dump_dir, pg_timeout_seconds
+from autoshard.ir.pipeline import NUM_ITEMS, PipelineProgram
+from autoshard.ir.schedule import Action, Kind
+from autoshard.ir.simulator import Span, Timeline
+from autoshard.runtime import training
+from autoshard.runtime.bind import bind
+from autoshard.runtime.comm import AxisComm
+from autoshard.runtime.params import ShardedParameters
+
+log = logging.getLogger("autoshard")
+
+
+class PipelineError(RuntimeError):
+    """A pipeline transfer failed or timed out: a peer rank raised, died or is stuck."""
+
+
+def split_batch(leaves: list, m: int, example_leaves: list | None = None) -> list:
+    """Per microbatch, the flattened call leaves: every tensor cut into m equal slices along dim 0 (and
+    checked against the compiled microbatch's ``example_leaves``, when given)."""
+    sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() >= 1}
+    if len(sizes) > 1:
+        raise ValueError(f"pm.step splits every tensor input along dim 0 into microbatches, but their first "
+                         f"dims differ: {sorted(sizes)}; pass batch-first tensors of one batch size")
+    batch = sizes.pop() if sizes else 1
+    if batch % m:
+        raise ValueError(f"a batch of {batch} rows cannot be split into microbatches={m}: use a batch size that "
+                         f"is a multiple of {m} (e.g. {batch // m * m or m}) or another microbatch count")
+    mb = batch // m
+    out = [[x[i * mb:(i + 1) * mb] if isinstance(x, torch.Tensor) and x.dim() >= 1 else x for x in leaves]
+           for i in range(m)]
+    for x, ex in zip(out[0], example_leaves or ()):
+        got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+        if got != ex:
+            raise ValueError(f"a microbatch input is {got}, but the pipeline was compiled for {ex}: pm.step "
+                             "runs the shapes of the example batch (batch size / microbatches); parallelize "
+                             "again for another batch shape")
+    return out
+
+
+def _tag(kind: Kind, sender: int, microbatch: int, m: int) -> int:
+    """One tag per transfer: (direction, sending stage, microbatch)."""
+    return 1 + (2 * sender + (kind in (Kind.SEND_B, Kind.RECV_B))) * m + microbatch
+
+
+class PipelineModule(nn.Module):
+    """This rank's stages of a pipelined model: its parameters, its stages' graphs, and ``step``.
+
+    ``peers[i]`` is the global rank of pipeline rank i in this rank's pp group; ``tie_groups`` maps a
+    parameter held by several pp ranks to the process group of those ranks (``None``: no ties here).
+    """
+
+    def __init__(self, program: PipelineProgram, model: nn.Module, comms: dict | None = None, tp_mesh=None,
+                 peers: list | None = None, tie_groups: dict | None = None):
+        super().__init__()
+        coords = program.mesh.coords(program.rank)
+        self.program = program
+        self.comms = comms if comms is not None else {
+            a: AxisComm(a, program.mesh.axis_size(a), coords[a]) for a in coords}
+        self.params = ShardedParameters(program.params, model, self.comms["tp"], tp_mesh)
+        self.aliases = dict(program.captured.aliases)
+        self.peers = peers or [program.rank]
+        self.tie_groups = dict(tie_groups or {})
+        ties = program.ties()
+        # a tied weight is counted once in the gradient norm: by the lowest pp rank holding it
+        self.duplicate_params = {n for n, ranks in ties.items() if ranks[0] != program.pp_rank}
+        self.timeout = datetime.timedelta(seconds=pg_timeout_seconds())
+        model_buffers = dict(model.named_buffers())
+        self._persistent = set(model.state_dict().keys())
+        self._buffers_by_name = {}
+        for c in program.own:
+            for i in c.inputs:
+                if i.kind == "buffer" and i.name in model_buffers and i.name not in self._buffers_by_name:
+                    attr = f"b{len(self._buffers_by_name)}"
+                    self.register_buffer(attr, model_buffers[i.name].detach().clone(),
+                                         persistent=i.name in self._persistent)
+                    self._buffers_by_name[i.name] = attr
+        self._constants = {k: v.detach().clone() for k, v in program.captured.constants.items()}
+        self.graphs = nn.ModuleDict({str(c.index): bind(c.gm, self.comms) for c in program.own})
+        self.last_timeline: Timeline | None = None
+        out = dump_dir(program.options.dump)
+        self._dump = (out if program.rank == 0 else f"{out}/rank{program.rank}") if out else None
+        self.train(True)
+
+    # --- the step -----------------------------------------------------------------------------------------
+    @property
+    def schedule(self):
+        return self.program.schedule
+
+    def _value(self, inp, user: dict, num_items):
+        if inp.kind == "buffer":
+            if inp.name in self._buffers_by_name:
+                return getattr(self, self._buffers_by_name[inp.name])
+            return self._constants[inp.name]
+        if inp.name == NUM_ITEMS:
+            return num_items
+        return user[inp.name]
+
+    def _inputs(self, chunk, boundary, user, num_items) -> list:
+        params = iter(self.params.local_inputs(chunk.params))
+        out = []
+        for inp in chunk.inputs:
+            if inp.kind == "boundary":
+                out.append(boundary)
+            elif inp.kind == "parameter":
+                out.append(next(params))
+            else:
+                out.append(self._value(inp, user, num_items))
+        return out
+
+    def _counts(self, micro_users: list) -> torch.Tensor:
+        loss = self.program.loss
+        if not loss.exact:
+            return torch.tensor(float(len(micro_users)))
+        total = sum(loss.count(*[u[n] for n in loss.count_inputs]) for u in micro_users)
+        return torch.as_tensor(total, dtype=torch.float32)
+
+    def step(self, *args, **kwargs) -> torch.Tensor:
+        """Forward and backward of the whole batch over the pipeline: returns the loss (on every rank)
+        and leaves each local shard's gradient in ``.grad`` (accumulated, as ``backward`` does)."""
+        captured, sched = self.program.captured, self.schedule
+        m = sched.microbatches
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != captured.in_spec:
+            raise TypeError(f"pm.step got inputs of structure {spec}, but the pipeline was compiled for "
+                            f"{captured.in_spec}: pass the same arguments (by the same keywords) as the example")
+        micro = split_batch(leaves, m, captured.example_leaves)
+        users = [dict(zip(captured.user_input_names, (mb[i] for i in captured.input_leaves))) for mb in micro]
+        num_items = self._counts(users)
+        saved_tied = self._stash_tied_grads()
+        run = _Run(self, users, num_items)
+        run.execute(sched.actions.get(self.program.pp_rank, []))
+        self._sum_tied_grads(saved_tied)
+        loss = run.loss
+        pp = self.comms["pp"]
+        if pp.size > 1:
+            loss = pp.all_reduce(loss.reshape(1).clone(), "loss")[0]
+        self.last_timeline = run.timeline()
+        if self._dump:
+            self._dump_measured()
+        return loss
+
+    def _dump_measured(self) -> None:
+        """The first step's measured timeline beside the simulated one in ``pipeline.md`` (every pp rank
+        takes part in gathering it; each writes to its own dump directory)."""
+        tl, out, self._dump = self.measured_timeline(), self._dump, None
+        sched = self.schedule
+        tl.to_svg(os.path.join(out, "measured.svg"))
+        ideal = (sched.pp - 1) / (sched.virtual * sched.microbatches)
+        with open(os.path.join(out, "pipeline.md"), "a") as f:
+            f.write(f"\nMeasured (first step, includes warm-up): step {tl.step_time * 1e3:.1f} ms, bubble "
+                    f"{tl.bubble_over_ideal:.3f} of the busy time (closed form {ideal:.3f}); per rank busy "
+                    + ", ".join(f"{r}: {b * 1e3:.1f} ms" for r, b in tl.busy.items())
+                    + "; peak saved activations " + ", ".join(f"{r}: {b / 2**20:.2f} MiB"
+                                                             for r, b in tl.peak_activation_bytes.items()) + "\n")
+
+    # --- tied weights ---------------------------------------------------------------------------------------
+    def _tied(self):
+        for name, group in self.tie_groups.items():
+            yield name, self.params.shards[self.params.keys[name]], group
+
+    def _stash_tied_grads(self) -> dict:
+        """Earlier gradients of tied weights (identical on their ranks): kept aside so that only this step's
+        gradients are summed between the copies."""
+        saved = {}
+        for name, p, _ in self._tied():
+            saved[name], p.grad = p.grad, None
+        return saved
+
+    @torch.no_grad()
+    def _sum_tied_grads(self, saved: dict) -> None:
+        for name, p, group in self._tied():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            dist.all_reduce(g, group=group)
+            if saved[name] is not None:
+                p.grad += saved[name]
+
+    # --- what a training loop needs ---------------------------------------------------------------------------
+    @property
+    def tp(self) -> AxisComm:
+        return self.comms["tp"]
+
+    @property
+    def records(self) -> dict:
+        return self.params.records
+
+    def local_parameters(self) -> dict:
+        return {name: self.params.shards[k] for name, k in self.params.keys.items()}
+
+    def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        return self.params.gather(name, local)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """Clip by the norm over the whole model: every stage, every shard, a tied weight counted once."""
+        return training.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict:
+        """The single-device state dict (original names, full shapes), on every rank: each pp rank gathers
+        its stages over tp, then the stages are exchanged over pp."""
+        mine = {name: self.gather(name, p.detach()).clone() for name, p in self.local_parameters().items()}
+        for name, attr in self._buffers_by_name.items():
+            if name in self._persistent:
+                mine[name] = getattr(self, attr).clone()
+        pp = self.comms["pp"]
+        parts = [mine]
+        if pp.size > 1:
+            parts = [None] * pp.size
+            dist.all_gather_object(parts, mine, group=pp.group)
+        out = {}
+        for part in parts:
+            out.update(part)
+        for alias, main in self.aliases.items():
+            if main in out:
+                out[alias] = out[main]
+        return out
+
+    def measured_timeline(self) -> Timeline:
+        """The last step's timeline over every pp rank (a collective over pp): what the dump draws."""
+        mine = self.last_timeline
+        pp = self.comms["pp"]
+        parts = [mine]
+        if pp.size > 1:
+            parts = [None] * pp.size
+            dist.all_gather_object(parts, mine, group=pp.group)
+        spans = {r: t.spans[r] for r, t in enumerate(parts)}
+        busy = {r: t.busy[r] for r, t in enumerate(parts)}
+        peak = {r: t.peak_activation_bytes.get(r, 0) for r, t in enumerate(parts)}
+        return Timeline(f"{self.schedule.name} (measured)", self.schedule.pp, spans,
+                        max(t.step_time for t in parts), busy, peak)
+
+
+class _Run:
+    """One step on one rank: the inbox of received values, the saved activations, the pending transfers."""
+
+    def __init__(self, pm: PipelineModule, users: list, num_items: torch.Tensor):
+        self.pm, self.users, self.num_items = pm, users, num_items
+        prog = pm.program
+        self.sched, self.m, self.me = prog.schedule, prog.schedule.microbatches, prog.pp_rank
+        self.chunks = {c.index: c for c in prog.own}
+        self.inbox, self.outbox, self.saved = {}, {}, {}
+        self.pending, self.sends = [], []
+        self.loss = torch.zeros((), dtype=torch.float32)
+        self.spans, self.busy = [], 0.0
+        self.held = self.peak = 0
+        self.start = time.perf_counter()
+
+    # transfers ----------------------------------------------------------------------------------------
+    def _peer(self, a: Action) -> int:
+        stage = a.stage + (1 if a.kind in (Kind.SEND_F, Kind.RECV_B) else -1)
+        return self.sched.rank_of(stage)
+
+    def _post(self, a: Action) -> None:
+        peer = self.pm.peers[self._peer(a)]
+        if a.kind in (Kind.SEND_F, Kind.SEND_B):
+            key = ("F" if a.kind is Kind.SEND_F else "B", a.stage, a.microbatch)
+            tensor = self.outbox.pop(key).contiguous()
+            self.pending.append((a, dist.P2POp(dist.isend, tensor, peer, tag=_tag(a.kind, a.stage, a.microbatch,
+                                                                                       self.m)), tensor))
+        else:
+            chunk = self.chunks[a.stage]
+            forward = a.kind is Kind.RECV_F
+            shape, dtype = (chunk.in_shape, chunk.in_dtype) if forward else (chunk.out_shape, chunk.out_dtype)
+            tensor = torch.empty(shape, dtype=dtype)
+            sender = a.stage - 1 if forward else a.stage + 1
+            op = dist.P2POp(dist.irecv, tensor, peer, tag=_tag(a.kind, sender, a.microbatch, self.m))
+            self.pending.append((a, op, tensor))
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        works = dist.batch_isend_irecv([op for _, op, _ in self.pending])
+        for (a, _, tensor), work in zip(self.pending, works):
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                self.sends.append((a, work, tensor))
+            else:
+                key = ("F" if a.kind is Kind.RECV_F else "B", a.stage, a.microbatch)
+                self.inbox[key] = (a, work, tensor)
+        self.pending = []
+
+    def _wait(self, a: Action, work) -> None:
+        peer = self.pm.peers[self._peer(a)]
+        try:
+            ok = work.wait(self.pm.timeout)
+        except Exception as e:  # noqa: BLE001 - name the peer, whatever the backend raised
+            raise PipelineError(f"pipeline rank {self.me}: {a} (with global rank {peer}) failed after "
+                                f"{time.perf_counter() - self.start:.1f} s: {type(e).__name__}: "
+                                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. Rank {peer} probably "
+                                "raised or died: see its error") from e
+        if ok is False:
+            raise PipelineError(f"pipeline rank {self.me}: {a} (with global rank {peer}) did not complete within "
+                                f"AUTOSHARD_TIMEOUT={self.pm.timeout.total_seconds():.0f} s")
+
+    def _take(self, key):
+        value = self.inbox.pop(key)
+        if isinstance(value, tuple):
+            a, work, tensor = value
+            t0 = time.perf_counter() - self.start
+            self._wait(a, work)
+            self.spans.append(Span(a, t0, time.perf_counter() - self.start))
+            return tensor
+        return value
+
+    # compute ------------------------------------------------------------------------------------------
+    def _forward(self, a: Action) -> None:
+        chunk = self.chunks[a.stage]
+        x = None
+        if a.stage > 0:
+            x = self._take(("F", a.stage, a.microbatch)).detach().requires_grad_(True)
+        t0 = time.perf_counter() - self.start
+        graph = self.pm.graphs[str(a.stage)]
+        saved = _SavedBytes()
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            out = graph(*self.pm._inputs(chunk, x, self.users[a.microbatch], self.num_items))
+        if chunk.last:
+            self.loss = self.loss + out.detach().float()
+        elif self.sched.rank_of(a.stage + 1) == self.me:
+            self.inbox[("F", a.stage + 1, a.microbatch)] = out.detach()
+        else:
+            self.outbox[("F", a.stage, a.microbatch)] = out.detach()
+        self.saved[a.stage, a.microbatch] = (x, out, saved.bytes)
+        self._done(a, t0)
+        self.held += saved.bytes
+        self.peak = max(self.peak, self.held)
+
+    def _backward(self, a: Action) -> None:
+        chunk = self.chunks[a.stage]
+        x, out, nbytes = self.saved.pop((a.stage, a.microbatch))
+        grad = None if chunk.last else self._take(("B", a.stage, a.microbatch))
+        t0 = time.perf_counter() - self.start
+        torch.autograd.backward(out, grad)
+        self.held -= nbytes
+        if x is not None:
+            if self.sched.rank_of(a.stage - 1) == self.me:
+                self.inbox[("B", a.stage - 1, a.microbatch)] = x.grad
+            else:
+                self.outbox[("B", a.stage, a.microbatch)] = x.grad
+        del x, out
+        self._done(a, t0)
+
+    def _done(self, a: Action, t0: float) -> None:
+        t1 = time.perf_counter() - self.start
+        self.spans.append(Span(a, t0, t1))
+        self.busy += t1 - t0
+
+    def execute(self, actions: list) -> None:
+        for a in actions:
+            if a.is_compute:
+                self._flush()
+                (self._forward if a.kind is Kind.F else self._backward)(a)
+            else:
+                self._post(a)
+        self._flush()
+        for a, work, _ in self.sends:
+            self._wait(a, work)
+        if self.saved:
+            raise RuntimeError(f"internal: the schedule left {sorted(self.saved)} without a backward")
+
+    def timeline(self) -> Timeline:
+        end = time.perf_counter() - self.start
+        return Timeline(self.sched.name, self.sched.pp, {self.me: self.spans}, end, {self.me: self.busy},
+                        {self.me: self.peak})
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves during one forward (each storage once, parameters included only
+    when a graph op saved a cast or padded copy): the activation memory that microbatch holds."""
+
+    def __init__(self):
+        self.bytes, self._seen = 0, set()
+
+    def pack(self, t):
+        if not isinstance(t, nn.Parameter):
+            key = t.untyped_storage().data_ptr()
+            if key not in self._seen:
+                self._seen.add(key)
+                self.bytes += t.untyped_storage().nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t

@@ -1,0 +1,128 @@
+"""The loss of a whole batch from microbatches: the mean cross-entropy rewritten as a sum and a count.
+
+A microbatched step (``pm.step``: gradient accumulation, a pipeline) must give the single-device loss
+and gradients on the whole batch. Averaging microbatch means is wrong when microbatches hold different
+numbers of non-ignored targets (``ignore_index``): the bug HF ``transformers`` shipped in 2024. So the
+mean ``cross_entropy_loss`` the model returns becomes ``sum / num_items``, where ``num_items`` is a new
+graph input: the count of non-ignored targets over the *whole* batch. Summing the microbatch losses
+then gives the exact mean, and so do the gradients.
+
+``num_items`` depends only on the labels, so it is known before the first forward runs: this pass cuts
+the labels' own (input-only) computation out of the graph into a small count graph that the runtime runs
+per microbatch, on every rank, with no communication. A loss it cannot analyse (class weights, a loss
+computed from several terms, one that reads a parameter-free buffer path to its targets) is divided by
+the number of microbatches instead (the mean of microbatch means), and ``LossRewrite.reason`` says why;
+``plan.md`` prints it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from autoshard.ir import meta as M
+from autoshard.ir.pipeline import LOSS_REWRITE, NUM_ITEMS, LossRewrite
+from autoshard.passes.rules_vocab import cross_entropy_args
+
+aten = torch.ops.aten
+MEAN, SUM = 1, 2
+
+
+class LossError(ValueError):
+    """The model's output has no loss that ``pm.step`` can run backward from."""
+
+
+def loss_node(gm: fx.GraphModule) -> fx.Node:
+    """The one scalar floating output: what ``pm.step`` minimises."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves = []
+    fx.node.map_arg(out.args[0], leaves.append)
+    scalars = [a for a in leaves if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dim() == 0
+               and a.meta["val"].is_floating_point()]
+    if len(scalars) != 1:
+        raise LossError(f"pm.step runs backward from the model's loss, but the model returns {len(scalars)} scalar "
+                        "outputs: return exactly one loss (for an HF model pass labels=...), or call pm(...) "
+                        "and compute the loss yourself")
+    return scalars[0]
+
+
+def _num_items_placeholder(gm: fx.GraphModule) -> fx.Node:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    with gm.graph.inserting_after(placeholders[-1]):
+        node = gm.graph.placeholder(NUM_ITEMS)
+    fake = next(p.meta["val"] for p in placeholders if isinstance(p.meta.get("val"), torch.Tensor))
+    with fake.fake_mode:
+        node.meta["val"] = torch.empty((), dtype=torch.float32)
+    M.KIND.set(node, "input")
+    M.NAME.set(node, NUM_ITEMS)
+    M.REQUIRES_GRAD.set(node, False)
+    return node
+
+
+def _count_graph(target: fx.Node, ignore_index: int):
+    """A graph from the user inputs to ``(target != ignore_index).sum()``, or a reason it cannot be cut
+    out (the targets depend on a parameter or a buffer)."""
+    needed, stack = [], [target]
+    seen = set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" and M.KIND.get(n, None) != "input":
+            return None, f"the targets are computed from {M.KIND.get(n, 'a')} '{M.NAME.get(n, n.name)}'"
+        if n.op not in ("placeholder", "call_function"):
+            return None, f"the targets are computed by {n.op} '{n.name}'"
+        needed.append(n)
+        stack.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(target.graph.nodes)}
+    g, env, inputs = fx.Graph(), {}, []
+    for n in sorted(needed, key=order.__getitem__):
+        if n.op == "placeholder":
+            env[n] = g.placeholder(n.name)
+            inputs.append(M.NAME.get(n))
+        else:
+            env[n] = g.node_copy(n, lambda u: env[u])
+    ne = g.call_function(aten.ne.Scalar, (env[target], ignore_index))
+    g.output(g.call_function(aten.sum.dim_IntList, (ne, []), {"dtype": torch.float32}))
+    return fx.GraphModule(torch.nn.Module(), g), inputs
+
+
+def microbatch_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    if ctx.options.pipeline is None:
+        return gm
+    loss = loss_node(gm)
+    num_items = _num_items_placeholder(gm)
+    rewrite = LossRewrite(False, "")
+    source = loss
+    if getattr(loss.target, "overloadpacket", None) is aten.cross_entropy_loss:
+        a = cross_entropy_args(loss)
+        if a["weight"] is not None:
+            rewrite.reason = "cross-entropy with class weights (its mean divides by the targets' total weight)"
+        elif a["reduction"] != MEAN:
+            rewrite.reason = f"cross-entropy with reduction={a['reduction']} (not a mean)"
+        else:
+            count, inputs = _count_graph(a["target"], a["ignore_index"])
+            if count is None:
+                rewrite.reason = inputs
+            else:
+                with gm.graph.inserting_after(loss):
+                    source = gm.graph.call_function(
+                        aten.cross_entropy_loss.default,
+                        (a["logits"], a["target"], None, SUM, a["ignore_index"], a["label_smoothing"]))
+                source.meta.update({k: v for k, v in loss.meta.items() if k != "val"})
+                source.meta["val"] = loss.meta["val"]
+                rewrite = LossRewrite(True, f"cross-entropy (ignore_index={a['ignore_index']}) as a sum over the "
+                                            "microbatch divided by the whole batch's count of non-ignored targets",
+                                      count, inputs)
+    else:
+        rewrite.reason = f"the loss is computed by {loss.target} (only a mean cross_entropy_loss is analysed)"
+    with gm.graph.inserting_after(source):
+        div = gm.graph.call_function(aten.div.Tensor, (source, num_items))
+    div.meta.update({k: v for k, v in loss.meta.items()})
+    loss.replace_all_uses_with(div, delete_user_cb=lambda u: u is not div)
+    if source is not loss:
+        gm.graph.erase_node(loss)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    gm.meta[LOSS_REWRITE] = rewrite
+    return gm

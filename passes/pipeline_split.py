@@ -1,0 +1,288 @@
+"""Pipeline stage cuts: where the residual stream crosses, balanced by a cost model.
+
+A cut between two nodes is legal when exactly one *activation* is live across it: a value computed from
+both the parameters and the batch. That value is the residual stream, and it is all a stage sends.
+Values that depend only on the inputs and buffers (positions, masks, rotary tables) or only on the
+parameters are not activations: every stage that needs them recomputes them (``passes/stages.py``), and
+the dump lists them. No module names are involved in finding the cuts.
+
+Each stretch of graph between two candidate cuts is priced for one microbatch: time (a matmul by its
+flops, anything else by the bytes it moves, whichever is slower), the bytes its parameters hold with
+their gradients and AdamW state, and the activation bytes its forward keeps. The embedding and the LM
+head with its loss are priced like everything else, so a big vocabulary makes its stages short. A
+dynamic programme chooses the ``pp * v`` chunks that minimise the slowest chunk's time (the pipeline's
+step time is set by its slowest stage), subject to an optional memory limit per rank where a stage's
+activations count once per microbatch the schedule keeps in flight on its rank (``p - r`` under 1F1B).
+
+``pipeline_cuts=[k, ...]`` overrides the balancer: stage i+1 starts at layer ``cuts[i]``, a layer being an
+index into the model's longest repeated ``ModuleList`` (this mapping is the one place module paths are
+read, because a user's layer index is one).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autoshard.ir import meta as M
+from autoshard.ir.pipeline import STAGE_PLAN, StageCost, StagePlan
+from autoshard.ir.schedule import add_communication, gpipe, interleaved_1f1b, one_f_one_b, validate
+from autoshard.passes.cost import flops, numel
+from autoshard.passes.shapes import shape_of, val
+from autoshard.ir.simulator import Costs, simulate
+
+ADAM_BYTES_PER_PARAM_BYTE = 4      # the parameter, its gradient, and AdamW's two moments
+_MATMULS = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "scaled_dot_product_attention"}
+
+
+class PipelineSplitError(ValueError):
+    """The model cannot be cut as asked; the message says how it can be."""
+
+
+def make_schedule(name: str, pp: int, m: int, v: int):
+    """The compute-only schedule ``PipelineOptions.schedule`` names."""
+    if name == "gpipe":
+        return gpipe(pp, m)
+    if name == "1f1b":
+        return one_f_one_b(pp, m)
+    return interleaved_1f1b(pp, m, v)
+
+
+def activations(gm: fx.GraphModule) -> set:
+    """Nodes computed from both a parameter and a user input: what cannot be recomputed on another stage."""
+    from_param, from_input = set(), set()
+    for n in gm.graph.nodes:
+        kind = M.KIND.get(n, None) if n.op == "placeholder" else None
+        if kind == "parameter" or any(i in from_param for i in n.all_input_nodes):
+            from_param.add(n)
+        if kind == "input" or any(i in from_input for i in n.all_input_nodes):
+            from_input.add(n)
+    return from_param & from_input
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A legal cut: after node ``position`` only ``boundary`` (the residual stream) is live."""
+    position: int
+    boundary: fx.Node
+
+
+def candidates(gm: fx.GraphModule, act: set) -> list:
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    last_use = {n: max((pos[u] for u in n.users), default=pos[n]) for n in act}
+    out, live = [], set()
+    for i, n in enumerate(nodes):
+        if n in act:
+            live.add(n)
+        live = {a for a in live if last_use[a] > i}
+        if len(live) == 1 and n.op != "output":
+            (b,) = live
+            v = val(b)
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 2 \
+                    and not (out and out[-1].boundary is b):
+                out.append(Candidate(i, b))
+    return out
+
+
+def _nbytes(v) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def node_seconds(n: fx.Node, cm) -> float:
+    """One forward of ``n``: flops for a matmul, bytes moved for the rest (the slower of the two)."""
+    if n.op != "call_function":
+        return 0.0
+    f = flops(n, shape_of)
+    name = getattr(getattr(n.target, "overloadpacket", None), "__name__", "")
+    moved = _nbytes(val(n)) + sum(_nbytes(val(a)) for a in n.all_input_nodes)
+    return f / cm.flops if name in _MATMULS else max(f / cm.flops, moved / cm.memory_bandwidth)
+
+
+def layer_prefix(gm: fx.GraphModule) -> str | None:
+    """The model's longest repeated ModuleList (``transformer.h``, ``model.layers``): the unit of
+    ``pipeline_cuts``."""
+    counts: dict = {}
+    for n in gm.graph.nodes:
+        for path, _ in (n.meta.get("nn_module_stack") or {}).values():
+            parts = path.split(".")
+            for i, part in enumerate(parts):
+                if part.isdigit() and i:
+                    counts.setdefault(".".join(parts[:i]), set()).add(int(part))
+    return max(counts, key=lambda k: len(counts[k])) if counts else None
+
+
+def layer_of(n: fx.Node, prefix: str | None):
+    if prefix is None:
+        return None
+    pattern = re.compile(re.escape(prefix) + r"\.(\d+)(\.|$)")
+    for path, _ in (n.meta.get("nn_module_stack") or {}).values():
+        match = pattern.match(path)
+        if match:
+            return int(match[1])
+    return None
+
+
+@dataclass
+class Segments:
+    """Prices of the stretches between consecutive candidate cuts (one more than there are cuts)."""
+    seconds: list
+    flops: list
+    params: list              # set of (name, bytes) per stretch
+    activation_bytes: list
+    layers: list              # set of layer indices per stretch
+
+    def chunk(self, i: int, j: int, tp: int) -> StageCost:
+        params = set().union(*self.params[i:j])
+        pbytes = sum(b // (tp if nd >= 2 else 1) for _, b, nd in params) * ADAM_BYTES_PER_PARAM_BYTE
+        layers = sorted(set().union(*self.layers[i:j]))
+        return StageCost(sum(self.seconds[i:j]), sum(self.flops[i:j]), pbytes,
+                         sum(self.activation_bytes[i:j]), tuple(layers))
+
+
+def price(gm: fx.GraphModule, act: set, cands: list, cm, prefix) -> Segments:
+    ends = [c.position for c in cands] + [len(gm.graph.nodes)]
+    k = 0
+    seg = Segments([0.0] * len(ends), [0.0] * len(ends), [set() for _ in ends], [0] * len(ends),
+                   [set() for _ in ends])
+    for i, n in enumerate(gm.graph.nodes):
+        while i > ends[k]:
+            k += 1
+        if n not in act:
+            continue
+        seg.seconds[k] += node_seconds(n, cm)
+        seg.flops[k] += flops(n, shape_of) if n.op == "call_function" else 0
+        seg.activation_bytes[k] += _nbytes(val(n))
+        layer = layer_of(n, prefix)
+        if layer is not None:
+            seg.layers[k].add(layer)
+        for a in n.all_input_nodes:
+            if a.op == "placeholder" and M.KIND.get(a, None) == "parameter":
+                seg.params[k].add((M.NAME.get(a), _nbytes(val(a)), val(a).dim()))
+    return seg
+
+
+def _in_flight(schedule) -> dict:
+    return validate(schedule)
+
+
+def _fits(cost: StageCost, rank_in_flight: float, limit) -> bool:
+    return limit is None or cost.param_bytes + cost.activation_bytes * rank_in_flight <= limit
+
+
+def balance(seg: Segments, stages: int, pp: int, in_flight: dict, v: int, tp: int, limit=None) -> list:
+    """Cut indices (into the candidate list) minimising the slowest chunk, each chunk within ``limit``
+    bytes of memory (a rank's limit shared by its v chunks). Dynamic programme over (chunk, end)."""
+    n = len(seg.seconds)              # stretches; chunk k covers stretches [i, j)
+    if stages > n:
+        raise PipelineSplitError(f"the model offers {n - 1} places to cut (where only the residual stream "
+                                 f"crosses), so at most {n} stages; asked for pp x v = {stages}")
+    share = None if limit is None else limit / v
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    back = [[-1] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    costs = {}
+    for k in range(1, stages + 1):
+        flight = in_flight.get((k - 1) % pp, 1) / v
+        for j in range(k, n - (stages - k) + 1):
+            for i in range(k - 1, j):
+                if best[k - 1][i] == inf:
+                    continue
+                c = costs.get((i, j)) or costs.setdefault((i, j), seg.chunk(i, j, tp))
+                if not _fits(c, flight, share):
+                    continue
+                worst = max(best[k - 1][i], c.forward_seconds)
+                if worst < best[k][j]:
+                    best[k][j], back[k][j] = worst, i
+    if best[stages][n] == inf:
+        least = seg.chunk(0, n, tp).param_bytes / stages
+        raise PipelineSplitError(f"no {stages}-stage split fits memory_limit={limit:.3g} bytes per rank (the "
+                                 f"parameters alone need about {least:.3g} per stage): raise the limit, use more "
+                                 "stages or tensor parallelism, or fewer microbatches in flight (schedule='1f1b')")
+    cuts, j = [], n
+    for k in range(stages, 0, -1):
+        i = back[k][j]
+        cuts.append(i)
+        j = i
+    return sorted(cuts)[1:]           # stretch indices where chunks 1.. start
+
+
+def manual_cuts(gm: fx.GraphModule, cands: list, layers: tuple, prefix, count: int) -> list:
+    """Stretch indices for ``pipeline_cuts``: stage i+1 starts at layer ``layers[i]``."""
+    if prefix is None:
+        raise PipelineSplitError("pipeline_cuts names layers, but the model has no repeated ModuleList of layers; "
+                                 "leave pipeline_cuts out to let the cost model cut")
+    if list(layers) != sorted(set(layers)) or not all(0 < c < count for c in layers):
+        raise PipelineSplitError(f"pipeline_cuts={list(layers)} must be increasing layer indices in 1..{count - 1} "
+                                 f"(the model's '{prefix}' has {count} layers)")
+    first = {}
+    for i, n in enumerate(gm.graph.nodes):
+        layer = layer_of(n, prefix)
+        if layer is not None:
+            first.setdefault(layer, i)
+    out = []
+    for c in layers:
+        k = max((k for k, cand in enumerate(cands) if cand.position < first[c]), default=None)
+        if k is None or (out and k + 1 <= out[-1]):
+            raise PipelineSplitError(f"pipeline_cuts: no cut point between layer {c - 1} and layer {c} "
+                                     "(more than the residual stream crosses there)")
+        out.append(k + 1)
+    return out
+
+
+def uniform_cuts(count: int, stages: int) -> tuple:
+    """Layer indices that give every stage the same number of layers (torchtitan's default split)."""
+    return tuple(round(i * count / stages) for i in range(1, stages))
+
+
+def predict(seg: Segments, cuts: list, schedule, tp: int, cm, boundary_bytes: int):
+    """Chunk costs for ``cuts`` and the simulated step (seconds) and per-rank peak (params + activations)."""
+    edges = [0] + list(cuts) + [len(seg.seconds)]
+    costs = [seg.chunk(a, b, tp) for a, b in zip(edges, edges[1:])]
+    sim = simulate(add_communication(schedule),
+                   Costs(tuple(c.forward_seconds for c in costs), tuple(2 * c.forward_seconds for c in costs),
+                         tuple(c.activation_bytes for c in costs),
+                         cm.p2p_latency + boundary_bytes / cm.p2p_bandwidth))
+    peak = {r: sim.peak_activation_bytes[r] + sum(costs[s].param_bytes for s in schedule.stages_of(r))
+            for r in range(schedule.pp)}
+    return costs, sim.step_time, peak
+
+
+def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    opts = ctx.options.pipeline
+    if opts is None:
+        return gm
+    pp, v, m, tp, cm = ctx.mesh.pp, opts.virtual_stages, opts.microbatches, ctx.mesh.tp, ctx.options.cost_model
+    stages = pp * v
+    schedule = make_schedule(opts.schedule, pp, m, v)
+    act = activations(gm)
+    cands = candidates(gm, act)
+    prefix = layer_prefix(gm)
+    count = len({layer_of(n, prefix) for n in gm.graph.nodes} - {None})
+    seg = price(gm, act, cands, cm, prefix)
+    boundary_bytes = max((_nbytes(val(c.boundary)) for c in cands), default=0)
+    if opts.cuts is not None:
+        if len(opts.cuts) != stages - 1:
+            raise PipelineSplitError(f"pipeline_cuts has {len(opts.cuts)} entries; pp x v = {stages} stages need "
+                                     f"{stages - 1} (the layer index where each stage after the first starts)")
+        cuts, how = manual_cuts(gm, cands, opts.cuts, prefix, count), "pipeline_cuts"
+    elif stages == 1:
+        cuts, how = [], "one stage"
+    else:
+        cuts = balance(seg, stages, pp, _in_flight(schedule), v, tp, opts.memory_limit)
+        how = "balanced"
+    costs, step, peak = predict(seg, cuts, schedule, tp, cm, boundary_bytes)
+    plan = StagePlan(stages, [cands[c - 1].boundary.name for c in cuts], costs, how, len(cands), count, step, peak)
+    if stages > 1 and count >= stages:
+        ucuts = uniform_cuts(count, stages)
+        try:
+            _, ustep, upeak = predict(seg, manual_cuts(gm, cands, ucuts, prefix, count), schedule, tp, cm,
+                                      boundary_bytes)
+            plan.uniform = {"cuts": ucuts, "step": ustep, "peak": upeak}
+        except PipelineSplitError:
+            plan.uniform = None
+    gm.meta[STAGE_PLAN] = plan
+    return gm
