@@ -4,13 +4,20 @@
     pm = autoshard.parallelize(model, mesh, example_args=(idx, targets))
     logits, loss = pm(idx, targets); loss.backward()      # pm.parameters() are this rank's shards
 
+    mesh = autoshard.init_mesh(pp=2, tp=2)                 # a pipeline of 2 stages, each tp=2
+    pm = autoshard.parallelize(model, mesh, (idx, targets), microbatches=4, schedule="1f1b")
+    loss = pm.step(idx, targets)                           # the whole batch, as 4 microbatches
+
 docs/architecture.md describes the data flow and where each concern lives.
 """
-from autoshard.api import compile_rank, parallelize
+from autoshard.api import compile_pipeline, compile_rank, parallelize
 from autoshard.ir import (CompileOptions, CostModel, DistSpec, MeshSpec, Partial, Program, Replicate, Shard)
 from autoshard.launcher import RankError, launch
 from autoshard.mesh import init_mesh
+from autoshard.ir.options import PipelineOptions
 from autoshard.runtime.module import ParallelModule
+from autoshard.runtime.pipeline import PipelineError, PipelineModule
 
-__all__ = ["init_mesh", "parallelize", "compile_rank", "launch", "RankError", "Program", "ParallelModule", "CompileOptions",
+__all__ = ["init_mesh", "parallelize", "compile_rank", "compile_pipeline", "PipelineModule", "PipelineOptions",
+           "PipelineError", "launch", "RankError", "Program", "ParallelModule", "CompileOptions",
            "MeshSpec", "CostModel", "DistSpec", "Shard", "Replicate", "Partial"]

@@ -196,33 +196,37 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     cut by the cost model or at ``pipeline_cuts`` (layer indices), within ``memory_limit`` bytes per rank.
     """
     spec = mesh_spec(mesh)
-    pipelined = spec.pp > 1 or microbatches is not None
     if options is None:
         options = CompileOptions(pins=pins or {}, loss_only=loss_only, dump=dump, disable=disable,
                                  mixed_precision=mixed_precision)
         if cost_model is not None:
             options.cost_model = cost_model
-        if pipelined:
-            options.pipeline = PipelineOptions(microbatches or 1, schedule, virtual_stages, pipeline_cuts,
-                                               memory_limit)
-    pipelined = pipelined or options.pipeline is not None
+        options.pipeline = PipelineOptions(microbatches or 1, schedule, virtual_stages, pipeline_cuts, memory_limit)
     real_mesh = hasattr(mesh, "get_group")
     if spec.size > 1 and not real_mesh:
         raise ValueError("parallelize needs a DeviceMesh from autoshard.init_mesh for more than one rank; "
                          "use autoshard.compile_rank for compile-only runs")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if pipelined:
+    if spec.pp > 1:
         program = compile_pipeline(model, spec, rank, example_args, example_kwargs, options)
         comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
         peers = spec.group_ranks(rank, "pp")
         ties = _tie_groups(spec, rank, program.ties()) if spec.pp > 1 else {}
         return PipelineModule(program, model, comms, mesh["tp"] if real_mesh else None, peers, ties)
+    step_options = options
+    options = dataclasses.replace(options, pipeline=None)
     prog = compile_rank(model, spec, rank, example_args, example_kwargs, options)
 
     def compiler(args, kwargs, training, pinned):
         later = dataclasses.replace(options, pins={**pinned, **options.pins}, dump=None)
         return compile_rank(model, spec, rank, args, kwargs, later, training=training)
 
+    def step_compiler(args, kwargs, pinned):
+        out = dump_dir(options.dump)   # the step program's dumps go beside the forward's, in step/
+        later = dataclasses.replace(step_options, pins={**pinned, **options.pins}, dump=out and f"{out}/step",
+                                    pipeline=step_options.pipeline or PipelineOptions())
+        return compile_pipeline(model, spec, rank, args, kwargs, later)
+
     comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
     tp_mesh = mesh["tp"] if real_mesh else None
-    return ParallelModule(prog, model, comms, tp_mesh, compiler, max_programs)
+    return ParallelModule(prog, model, comms, tp_mesh, compiler, max_programs, step_compiler)

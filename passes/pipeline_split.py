@@ -29,7 +29,7 @@ import torch.fx as fx
 from autoshard.ir import meta as M
 from autoshard.ir.pipeline import STAGE_PLAN, StageCost, StagePlan
 from autoshard.ir.schedule import add_communication, gpipe, interleaved_1f1b, one_f_one_b, validate
-from autoshard.passes.cost import flops, numel
+from autoshard.passes.cost import flops
 from autoshard.passes.shapes import shape_of, val
 from autoshard.ir.simulator import Costs, simulate
 

@@ -7,23 +7,39 @@ import copy
 import torch
 
 import autoshard
+from tests import families
 from tests.models import batch, build, loss_and_logits
 
 
 def ragged_batch(kind, vocab, B, T, seed):
-    """A batch whose microbatches hold different numbers of ignored targets (-100)."""
-    args, kwargs = batch(kind, vocab, B=B, T=T, seed=seed)
+    """A batch whose microbatches hold different numbers of ignored targets (-100). HF models are called
+    with keywords, as users call them (a family model also gets a left-padded attention mask)."""
+    if kind == "family":
+        args, kwargs = (), families.batch(vocab, B=B, T=T, seed=seed)
+    else:
+        args, kwargs = batch(kind, vocab, B=B, T=T, seed=seed)
     labels = args[1] if kind == "gpt" else kwargs["labels"]
     labels[0, : T - 1] = -100          # the first row (microbatch 0) keeps one target
     labels[-1, : T // 2] = -100
     return args, kwargs
 
 
+def build_model(kind, cfg):
+    """``("gpt"|"hf", config keywords)`` from tests/models.py, or ``("family", FamilyConfig keywords)``."""
+    if kind == "family":
+        fc = families.FamilyConfig(**cfg)
+        return families.build(fc), fc.vocab
+    return build(kind, **cfg), cfg.get("vocab_size", 96 if kind == "gpt" else 101)
+
+
+def _loss(kind, out):
+    return out.loss if kind == "family" else loss_and_logits(kind, out)[0]
+
+
 def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
     """Per step: |loss - ref| / |ref| and the largest gradient error (relative to the largest gradient);
     then the final parameters' error, and whether tied copies stayed bit-identical."""
-    vocab = cfg.get("vocab_size", 96 if kind == "gpt" else 101)
-    model = build(kind, **cfg)
+    model, vocab = build_model(kind, cfg)
     ref = copy.deepcopy(model)
     args, kwargs = ragged_batch(kind, vocab, B, T, seed=1)
     pm = autoshard.parallelize(model, autoshard.init_mesh(**mesh), args, kwargs, **options)
@@ -33,9 +49,9 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
     for step in range(steps):
         args, kwargs = ragged_batch(kind, vocab, B, T, seed=10 + step)
         loss = pm.step(*args, **kwargs)
-        rloss = loss_and_logits(kind, ref(*args, **kwargs))[0]
+        rloss = _loss(kind, ref(*args, **kwargs))
         rloss.backward()
-        losses.append(abs(float(loss) - float(rloss)) / abs(float(rloss)))
+        losses.append(abs(float(loss) - float(rloss.detach())) / abs(float(rloss.detach())))
         rgrad = dict(ref.named_parameters(remove_duplicate=False))
         scale = max(float(p.grad.abs().max()) for p in ref.parameters())
         err = 0.0
@@ -44,8 +60,9 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
             err = max(err, float((full - rgrad[name].grad).abs().max()) / scale)
         grads.append(err)
         opt.step(); ropt.step(); opt.zero_grad(); ropt.zero_grad()
+    pm = pm if not hasattr(pm, "_stepper") else pm._stepper   # pp = 1: ParallelModule.step's executor
     full = pm.full_state_dict()
-    scale = max(float(p.abs().max()) for p in ref.parameters())
+    scale = max(float(p.detach().abs().max()) for p in ref.parameters())
     final = max(float((full[n] - p).abs().max()) / scale for n, p in ref.state_dict().items() if p.is_floating_point())
     tied = {}
     for name, p in pm.local_parameters().items():
@@ -54,5 +71,11 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
             every = [torch.empty_like(local) for _ in range(2)]
             torch.distributed.all_gather(every, local.contiguous(), group=pm.tie_groups[name])
             tied[name] = bool(torch.equal(every[0], every[1]))
-    return dict(losses=losses, grads=grads, final=final, tied=tied, ties=pm.program.ties(),
-                exact=pm.program.loss.exact, stages=[c.index for c in pm.program.own])
+    prog = pm.program
+    return dict(losses=losses, grads=grads, final=final, tied=tied, ties=prog.ties(), exact=prog.loss.exact,
+                stages=[c.index for c in prog.own])
+
+
+def run_configs(rank, world, configs):
+    """Several parity runs in one process group: ``[(kind, mesh, options, cfg)]`` -> results."""
+    return [pipeline_parity(rank, world, *c) for c in configs]

@@ -28,8 +28,10 @@ def test_unknown_axis_name():
         mesh_spec(FakeMesh())
 
 
-def test_pipeline_and_data_axes_not_yet_supported():
-    with pytest.raises(NotImplementedError, match="tensor parallelism only"):
+def test_data_axis_not_yet_supported_and_pipeline_needs_compile_pipeline():
+    with pytest.raises(NotImplementedError, match="data parallelism is not implemented yet"):
+        autoshard.compile_rank(build("gpt", n_layer=1), {"tp": 2, "dp": 2}, 0, *batch("gpt", 96))
+    with pytest.raises(ValueError, match="compile it with compile_pipeline"):
         autoshard.compile_rank(build("gpt", n_layer=1), {"tp": 2, "pp": 2}, 0, *batch("gpt", 96))
 
 

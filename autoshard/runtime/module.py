@@ -55,7 +55,7 @@ class ParallelModule(nn.Module):
     """
 
     def __init__(self, program: Program, model: nn.Module, comms: dict | None = None, tp_mesh=None,
-                 compiler=None, max_programs: int = 8):
+                 compiler=None, max_programs: int = 8, step_compiler=None):
         super().__init__()
         coords = program.coords
         self.comms = comms if comms is not None else {
@@ -75,6 +75,8 @@ class ParallelModule(nn.Module):
         self._programs = OrderedDict()       # ProgramKey -> (Program, bound graph, its constants)
         self.compile_log = []              # (ProgramKey, seconds) per program compiled after the first
         self._steps = 0
+        self._step_compiler = step_compiler
+        self.__dict__["_stepper"] = None     # the pm.step executor: shares self.params, not a submodule
         self.train(model.training)
         self._check_ranks_agree(program, model)
         captured = program.captured
@@ -169,6 +171,21 @@ class ParallelModule(nn.Module):
             if self._check_every and self._steps % self._check_every == 0:
                 self.check_replicas()
         return pytree.tree_unflatten(list(flat), program.captured.out_spec)
+
+    def step(self, *args, **kwargs):
+        """Forward and backward of the whole batch: returns the loss and leaves the gradients in ``.grad``.
+        With ``parallelize(..., microbatches=m)`` the batch runs as m microbatches (gradient accumulation)
+        whose loss is the whole batch's: the mean cross-entropy is summed and divided by the batch's count
+        of non-ignored targets (``passes/microbatch_loss.py``), so uneven ``ignore_index`` counts are exact."""
+        if self._stepper is None:
+            if self._step_compiler is None:
+                raise RuntimeError("pm.step needs the compiler: build the module with autoshard.parallelize")
+            from autoshard.runtime.pipeline import PipelineModule
+            pins = {r.name: r.spec.tp for r in self.program.params}
+            program = self._step_compiler(args, kwargs, pins)
+            self.__dict__["_stepper"] = PipelineModule(program, None, self.comms, params=self.params,
+                                                       buffers=self._model_buffers, persistent=self._persistent)
+        return self._stepper.step(*args, **kwargs)
 
     # --- parameters, gradients and checks ------------------------------------------------------------------
     @property

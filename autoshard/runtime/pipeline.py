@@ -82,16 +82,21 @@ class PipelineModule(nn.Module):
 
     ``peers[i]`` is the global rank of pipeline rank i in this rank's pp group; ``tie_groups`` maps a
     parameter held by several pp ranks to the process group of those ranks (``None``: no ties here).
+    A ``ParallelModule`` running its ``step`` through this executor passes its own ``params`` and
+    ``buffers`` (and ``persistent`` buffer names) instead of the model.
     """
 
-    def __init__(self, program: PipelineProgram, model: nn.Module, comms: dict | None = None, tp_mesh=None,
-                 peers: list | None = None, tie_groups: dict | None = None):
+    def __init__(self, program: PipelineProgram, model: nn.Module | None, comms: dict | None = None, tp_mesh=None,
+                 peers: list | None = None, tie_groups: dict | None = None, params: ShardedParameters | None = None,
+                 buffers: dict | None = None, persistent=()):
         super().__init__()
         coords = program.mesh.coords(program.rank)
         self.program = program
         self.comms = comms if comms is not None else {
             a: AxisComm(a, program.mesh.axis_size(a), coords[a]) for a in coords}
-        self.params = ShardedParameters(program.params, model, self.comms["tp"], tp_mesh)
+        # ``params``: a ParallelModule's own shards, when its ``step`` runs through this executor (pp = 1)
+        self.params = params if params is not None else ShardedParameters(program.params, model, self.comms["tp"],
+                                                                           tp_mesh)
         self.aliases = dict(program.captured.aliases)
         self.peers = peers or [program.rank]
         self.tie_groups = dict(tie_groups or {})
@@ -99,8 +104,8 @@ class PipelineModule(nn.Module):
         # a tied weight is counted once in the gradient norm: by the lowest pp rank holding it
         self.duplicate_params = {n for n, ranks in ties.items() if ranks[0] != program.pp_rank}
         self.timeout = datetime.timedelta(seconds=pg_timeout_seconds())
-        model_buffers = dict(model.named_buffers())
-        self._persistent = set(model.state_dict().keys())
+        model_buffers = dict(model.named_buffers()) if model is not None else dict(buffers or {})
+        self._persistent = set(model.state_dict().keys()) if model is not None else set(persistent or ())
         self._buffers_by_name = {}
         for c in program.own:
             for i in c.inputs:
