@@ -172,32 +172,38 @@ def _fits(cost: StageCost, rank_in_flight: float, limit) -> bool:
     return limit is None or cost.param_bytes + cost.activation_bytes * rank_in_flight <= limit
 
 
-def balance(seg: Segments, stages: int, pp: int, in_flight: dict, v: int, tp: int, limit=None) -> list:
+def balance(seg: Segments, stages: int, pp: int, in_flight: dict, v: int, tp: int, limit=None, send=None) -> list:
     """Cut indices (into the candidate list) minimising the slowest chunk, each chunk within ``limit``
-    bytes of memory (a rank's limit shared by its v chunks). Dynamic programme over (chunk, end)."""
+    bytes of memory (a rank's limit shared by its v chunks). Dynamic programme over (chunk, end).
+    ``send[j]`` is the time to send the boundary that ends stretch j - 1: a chunk pays for what it sends, so
+    a cut through a wide tensor (the logits) is priced as such."""
+    send = send or [0.0] * (len(seg.seconds) + 1)
     n = len(seg.seconds)              # stretches; chunk k covers stretches [i, j)
     if stages > n:
         raise PipelineSplitError(f"the model offers {n - 1} places to cut (where only the residual stream "
                                  f"crosses), so at most {n} stages; asked for pp x v = {stages}")
     share = None if limit is None else limit / v
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    # best[k][j]: (slowest chunk, sum of squared chunk times) over the first j stretches in k chunks. The
+    # slowest chunk sets the step time; the squares break ties towards balancing the others too.
+    worst_case = (float("inf"), float("inf"))
+    best = [[worst_case] * (n + 1) for _ in range(stages + 1)]
     back = [[-1] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0.0
+    best[0][0] = (0.0, 0.0)
     costs = {}
     for k in range(1, stages + 1):
         flight = in_flight.get((k - 1) % pp, 1) / v
         for j in range(k, n - (stages - k) + 1):
             for i in range(k - 1, j):
-                if best[k - 1][i] == inf:
+                if best[k - 1][i] == worst_case:
                     continue
                 c = costs.get((i, j)) or costs.setdefault((i, j), seg.chunk(i, j, tp))
                 if not _fits(c, flight, share):
                     continue
-                worst = max(best[k - 1][i], c.forward_seconds)
-                if worst < best[k][j]:
-                    best[k][j], back[k][j] = worst, i
-    if best[stages][n] == inf:
+                t = c.forward_seconds + (send[j] if j < n else 0.0)
+                option = (max(best[k - 1][i][0], t), best[k - 1][i][1] + t * t)
+                if option < best[k][j]:
+                    best[k][j], back[k][j] = option, i
+    if best[stages][n] == worst_case:
         least = seg.chunk(0, n, tp).param_bytes / stages
         raise PipelineSplitError(f"no {stages}-stage split fits memory_limit={limit:.3g} bytes per rank (the "
                                  f"parameters alone need about {least:.3g} per stage): raise the limit, use more "
@@ -238,8 +244,10 @@ def uniform_cuts(count: int, stages: int) -> tuple:
     return tuple(round(i * count / stages) for i in range(1, stages))
 
 
-def predict(seg: Segments, cuts: list, schedule, tp: int, cm, boundary_bytes: int):
-    """Chunk costs for ``cuts`` and the simulated step (seconds) and per-rank peak (params + activations)."""
+def predict(seg: Segments, cuts: list, schedule, tp: int, cm, cands: list):
+    """Chunk costs for ``cuts`` and the simulated step (seconds) and per-rank peak (params + activations).
+    The simulator takes one transfer time: that of the widest boundary these cuts send."""
+    boundary_bytes = max((_nbytes(val(cands[c - 1].boundary)) for c in cuts), default=0)
     edges = [0] + list(cuts) + [len(seg.seconds)]
     costs = [seg.chunk(a, b, tp) for a, b in zip(edges, edges[1:])]
     sim = simulate(add_communication(schedule),
@@ -263,7 +271,6 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     prefix = layer_prefix(gm)
     count = len({layer_of(n, prefix) for n in gm.graph.nodes} - {None})
     seg = price(gm, act, cands, cm, prefix)
-    boundary_bytes = max((_nbytes(val(c.boundary)) for c in cands), default=0)
     if opts.cuts is not None:
         if len(opts.cuts) != stages - 1:
             raise PipelineSplitError(f"pipeline_cuts has {len(opts.cuts)} entries; pp x v = {stages} stages need "
@@ -272,15 +279,15 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     elif stages == 1:
         cuts, how = [], "one stage"
     else:
-        cuts = balance(seg, stages, pp, _in_flight(schedule), v, tp, opts.memory_limit)
+        send = [0.0] + [cm.p2p_latency + _nbytes(val(c.boundary)) / cm.p2p_bandwidth for c in cands] + [0.0]
+        cuts = balance(seg, stages, pp, _in_flight(schedule), v, tp, opts.memory_limit, send)
         how = "balanced"
-    costs, step, peak = predict(seg, cuts, schedule, tp, cm, boundary_bytes)
+    costs, step, peak = predict(seg, cuts, schedule, tp, cm, cands)
     plan = StagePlan(stages, [cands[c - 1].boundary.name for c in cuts], costs, how, len(cands), count, step, peak)
     if stages > 1 and count >= stages:
         ucuts = uniform_cuts(count, stages)
         try:
-            _, ustep, upeak = predict(seg, manual_cuts(gm, cands, ucuts, prefix, count), schedule, tp, cm,
-                                      boundary_bytes)
+            _, ustep, upeak = predict(seg, manual_cuts(gm, cands, ucuts, prefix, count), schedule, tp, cm, cands)
             plan.uniform = {"cuts": ucuts, "step": ustep, "peak": upeak}
         except PipelineSplitError:
             plan.uniform = None

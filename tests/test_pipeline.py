@@ -7,7 +7,6 @@ configurations share one process group per world size, to keep ``make test`` sho
 import os
 import time
 
-import pytest
 
 from tests.distributed import run_distributed
 from tests.pipeline_checks import run_configs

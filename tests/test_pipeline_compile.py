@@ -1,0 +1,147 @@
+"""Pipeline compilation without processes: the cuts, the balancer, the loss rewrite and the errors."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autoshard
+from autoshard.ir.options import CompileOptions, CostModel, PipelineOptions
+from autoshard.passes.microbatch_loss import LossError
+from autoshard.passes.pipeline_split import PipelineSplitError
+from tests import families
+from tests.models import batch, build
+from tests.pipeline_checks import ragged_batch
+
+
+def compile_pp(model, args, kwargs=None, mesh=None, rank=0, **pipeline):
+    options = CompileOptions(pipeline=PipelineOptions(**({"microbatches": 2} | pipeline)))
+    return autoshard.compile_pipeline(model, mesh or {"pp": 2}, rank, args, kwargs, options)
+
+
+def test_cuts_follow_the_residual_stream_and_cover_every_parameter_once():
+    model = build("gpt", n_layer=4)
+    prog = compile_pp(model, *batch("gpt", 96, B=4))
+    assert len(prog.chunks) == 2 and prog.plan.how == "balanced"
+    c0, c1 = prog.chunks
+    assert c0.inputs[0].kind != "boundary" and c1.inputs[0].kind == "boundary"
+    assert c0.out_shape == c1.in_shape == (2, 8, 32)          # one microbatch of the residual stream
+    names = set(dict(model.named_parameters()))
+    assert set(c0.param_names) | set(c1.param_names) == (names | {"lm_head.weight"}) - {"transformer.wte.weight"}
+    assert prog.ties() == {"lm_head.weight": [0, 1]}           # the tied embedding and head: both stages
+    assert set(c0.param_names) & set(c1.param_names) == {"lm_head.weight"}
+    layers = [set(c.layers) for c in prog.plan.costs]
+    assert layers[0] | layers[1] == {0, 1, 2, 3} and not layers[0] & layers[1]
+
+
+def test_pipeline_cuts_override_and_uneven_layers():
+    options = CompileOptions(pipeline=PipelineOptions(microbatches=2, cuts=(1,)))
+    prog = autoshard.compile_pipeline(build("gpt", n_layer=5), {"pp": 2}, 0, *batch("gpt", 96, B=4), options)
+    assert prog.plan.how == "pipeline_cuts"
+    assert [c.layers for c in prog.plan.costs] == [(0,), (1, 2, 3, 4)]
+    with pytest.raises(PipelineSplitError, match=r"pipeline_cuts has 2 entries; pp x v = 2 stages need 1"):
+        autoshard.compile_pipeline(build("gpt", n_layer=5), {"pp": 2}, 0, *batch("gpt", 96, B=4),
+                                   CompileOptions(pipeline=PipelineOptions(microbatches=2, cuts=(1, 2))))
+    with pytest.raises(PipelineSplitError, match=r"increasing layer indices in 1..4"):
+        autoshard.compile_pipeline(build("gpt", n_layer=5), {"pp": 2}, 0, *batch("gpt", 96, B=4),
+                                   CompileOptions(pipeline=PipelineOptions(microbatches=2, cuts=(5,))))
+
+
+def test_balancer_shortens_the_stages_of_a_heavy_head():
+    """GPT-2 small's vocabulary (50304) on a narrow model (h=256): the LM head and its loss cost several
+    layers, so the cost model gives the last stage fewer layers than a uniform split, and predicts a
+    faster step. Compiled on ``meta``: the sizes are real, nothing is allocated."""
+    with torch.device("meta"):
+        model = build("gpt", n_layer=8, vocab_size=50304, n_embd=256, n_head=4, block_size=128)
+    args, kwargs = batch("gpt", 50304, B=8, T=128)
+    prog = compile_pp(model, args, kwargs, mesh={"pp": 4}, microbatches=8)
+    layers = [set(c.layers) for c in prog.plan.costs]
+    assert set().union(*layers) == set(range(8)) and len(layers[-1]) < 2
+    assert prog.plan.uniform is not None and prog.plan.predicted_step < prog.plan.uniform["step"]
+    # the rest is balanced too (not only the slowest stage): no stage holds most of the layers
+    assert max(len(s) for s in layers) <= 4
+
+
+def test_memory_limit_is_respected_or_refused():
+    model = build("gpt", n_layer=4)
+    args, kwargs = batch("gpt", 96, B=4)
+    free = compile_pp(model, args, kwargs)
+    limit = max(free.plan.predicted_peak_bytes.values()) * 1.5
+    bounded = compile_pp(model, args, kwargs, memory_limit=limit)
+    assert max(bounded.plan.predicted_peak_bytes.values()) <= limit * 1.01
+    with pytest.raises(PipelineSplitError, match="no 2-stage split fits memory_limit"):
+        compile_pp(model, args, kwargs, memory_limit=1000)
+
+
+def test_loss_rewrite_counts_targets_and_falls_back_with_a_reason():
+    model = build("gpt", n_layer=1)
+    args, kwargs = ragged_batch("gpt", 96, 4, 8, seed=3)
+    prog = compile_pp(model, args, kwargs)
+    assert prog.loss.exact and "ignore_index=-100" in prog.loss.reason
+    labels = args[1]
+    counts = [float(prog.loss.count(labels[i * 2:(i + 1) * 2])) for i in range(2)]
+    assert counts == [float((labels[:2] != -100).sum()), float((labels[2:] != -100).sum())]
+
+    class Scaled(nn.Module):   # a loss the rewrite does not analyse: 2 x mean cross-entropy
+        def __init__(self):
+            super().__init__()
+            self.inner = build("gpt", n_layer=1)
+
+        def forward(self, idx, targets):
+            logits, _ = self.inner(idx)
+            return 2 * F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+    prog = compile_pp(Scaled(), args, kwargs, mesh={"pp": 1})
+    assert not prog.loss.exact and "aten.mul" in prog.loss.reason
+
+
+def test_fallback_is_the_mean_of_microbatch_means():
+    torch.manual_seed(0)
+
+    class MSE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, y):
+            return F.mse_loss(self.lin(x), y)
+    model = MSE()
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    pm = autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (x, y), microbatches=2)
+    loss = pm.step(x, y)
+    expected = (F.mse_loss(model.lin(x[:2]), y[:2]) + F.mse_loss(model.lin(x[2:]), y[2:])) / 2
+    assert torch.allclose(loss, expected.detach())
+
+
+def test_rotary_tables_are_recomputed_not_sent():
+    cfg = families.FamilyConfig("llama", hidden=32, heads=4, kv_heads=2, layers=2)
+    model = families.build(cfg)
+    kwargs = families.batch(cfg.vocab, B=4)
+    prog = compile_pp(model, (), kwargs, cuts=(1,))            # a layer on each stage
+    for k in (0, 1):    # each stage computes its own rotary table and mask; only the residual crosses
+        assert {"cos", "sin"} <= set(prog.plan.recomputed[k])
+    assert [i.kind for i in prog.chunks[1].inputs].count("boundary") == 1
+
+
+def test_clear_errors():
+    args, kwargs = batch("gpt", 96, B=4)
+    with pytest.raises(ValueError, match=r"a batch of 4 rows cannot be split into microbatches=3"):
+        compile_pp(build("gpt", n_layer=2), args, kwargs, microbatches=3)
+    with pytest.raises(ValueError, match="multiple of pp=2"):
+        compile_pp(build("gpt", n_layer=2), args, kwargs, microbatches=1, schedule="interleaved", virtual_stages=2)
+    with pytest.raises(ValueError, match="needs schedule='interleaved'"):
+        PipelineOptions(virtual_stages=2)
+    with pytest.raises(ValueError, match="schedule='pipedream'"):
+        PipelineOptions(schedule="pipedream")
+    with pytest.raises(PipelineSplitError, match=r"at most \d+ stages; asked for pp x v = 64"):
+        compile_pp(build("gpt", n_layer=1), torch.zeros(64, 8, dtype=torch.long).chunk(1) + (args[1].repeat(16, 1),),
+                   None, mesh={"pp": 32}, microbatches=32, schedule="interleaved", virtual_stages=2)
+    with pytest.raises(LossError, match="returns 0 scalar outputs"):
+        compile_pp(build("gpt", n_layer=1), (args[0],), None)
+
+
+def test_cost_model_prices_the_split():
+    slow_memory = CostModel(memory_bandwidth=1e6)
+    options = CompileOptions(cost_model=slow_memory, pipeline=PipelineOptions(microbatches=2))
+    prog = autoshard.compile_pipeline(build("gpt", n_layer=2), {"pp": 2}, 0, *batch("gpt", 96, B=4), options)
+    assert prog.plan.predicted_step > 1e-3      # bytes-bound ops dominate at 1 MB/s
