@@ -2,7 +2,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo demo-pp test bench bench-pp clean
 
 venv: $(VENV)/.installed
 
@@ -21,6 +21,10 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 
 demo: venv
 	$(BIN)/torchrun --standalone --nproc_per_node=2 -m autoshard.demo
+
+# the pipeline on a 2 x 2 mesh: 2 stages, each tensor-parallel over 2 ranks (4 CPU processes)
+demo-pp: venv
+	$(BIN)/torchrun --standalone --nproc_per_node=4 -m autoshard.demo --pp 2 --tp 2 --steps 20
 
 test: venv
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q

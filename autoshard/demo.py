@@ -1,6 +1,10 @@
 """``make demo``: train the built-in GPT on a small text with tensor parallelism over CPU processes.
 
     torchrun --standalone --nproc_per_node=2 -m autoshard.demo [--steps 40] [--dump autoshard_dump]
+    torchrun --standalone --nproc_per_node=4 -m autoshard.demo --pp 2 --tp 2 [--microbatches 4]
+
+With ``--pp`` the model is cut into pipeline stages and each step runs ``pm.step`` over microbatches
+(``--schedule 1f1b|gpipe|interleaved``); the tp size is the rest of the world (``WORLD_SIZE / pp``).
 
 Every rank trains the tensor-parallel program; rank 0 also trains the single-device model from the
 same weights on the same batches and prints both losses side by side, so the equality is visible.
@@ -32,10 +36,17 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--dump", default=os.environ.get("AUTOSHARD_DUMP", "autoshard_dump"))
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (ranks along pp)")
+    ap.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: WORLD_SIZE / pp)")
+    ap.add_argument("--microbatches", type=int, default=4, help="microbatches per step when --pp > 1")
+    ap.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    ap.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(1)
-    mesh = autoshard.init_mesh(tp=int(os.environ.get("WORLD_SIZE", 1)))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    tp = args.tp or max(1, world_size // args.pp)
+    mesh = autoshard.init_mesh(tp=tp, pp=args.pp)
     rank, world = dist.get_rank(), dist.get_world_size()
     text = load_text()
     chars = sorted(set(text))
@@ -55,13 +66,19 @@ def main(argv=None):
 
     x, y = get_batch()
     start = time.perf_counter()
-    pm = autoshard.parallelize(model, mesh, example_args=(x, y), loss_only=True, dump=args.dump)
+    pipelined = args.pp > 1
+    extra = dict(microbatches=args.microbatches, schedule=args.schedule,
+                 virtual_stages=args.virtual_stages) if pipelined else {}
+    pm = autoshard.parallelize(model, mesh, example_args=(x, y), loss_only=True, dump=args.dump, **extra)
     compile_s = time.perf_counter() - start
     opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3) if ref is not None else None
     if rank == 0:
         print(f"autoshard: {cfg.n_layer}-layer GPT ({sum(p.numel() for p in model.parameters()):,} parameters, "
-              f"vocab {cfg.vocab_size}) over tp={world} gloo ranks; compiled in {compile_s:.2f} s")
+              f"vocab {cfg.vocab_size}) over pp={args.pp} x tp={tp} gloo ranks; compiled in {compile_s:.2f} s")
+        if pipelined:
+            print(f"pipeline: {args.schedule}, {args.microbatches} microbatches; stages hold layers "
+                  + ", ".join(str(list(c.layers)) for c in pm.program.plan.costs))
         print(f"{'step':>5} {'autoshard loss':>15} {'single-device':>14} {'|diff|':>9}")
 
     bar = tqdm(range(args.steps), disable=rank != 0, leave=False, desc="training")
@@ -69,8 +86,11 @@ def main(argv=None):
     for step in bar:
         if step:
             x, y = get_batch()
-        _, loss = pm(x, y)
-        loss.backward()
+        if pipelined:
+            loss = pm.step(x, y)              # forward + backward over the microbatches
+        else:
+            _, loss = pm(x, y)
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if ref is not None:
@@ -91,9 +111,10 @@ def main(argv=None):
                 logits, _ = single(idx[:, -cfg.block_size:])
                 nxt = torch.multinomial(torch.softmax(logits[:, -1], -1), 1, generator=gen)
                 idx = torch.cat([idx, nxt], 1)
-        print(f"\n{calls} collectives per step on the tp group; sample from the gathered weights:")
+        print(f"\n{calls} collectives per step (tp and pp groups); sample from the gathered weights:")
         print("".join(chars[i] for i in idx[0].tolist()))
-        print(f"\npass dumps and plan.md written to {os.path.abspath(args.dump)}/ (other ranks in rank<N>/)")
+        print(f"\npass dumps and plan.md written to {os.path.abspath(args.dump)}/ (other ranks in rank<N>/)"
+              + ("; pipeline.md has the stages, the schedule and the timelines" if pipelined else ""))
     dist.destroy_process_group()
 
 

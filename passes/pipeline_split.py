@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.ir import meta as M
+from autoshard.ir.options import CostModel
 from autoshard.ir.pipeline import STAGE_PLAN, StageCost, StagePlan
 from autoshard.ir.schedule import add_communication, gpipe, interleaved_1f1b, one_f_one_b, validate
 from autoshard.passes.cost import flops
@@ -264,6 +265,8 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if opts is None:
         return gm
     pp, v, m, tp, cm = ctx.mesh.pp, opts.virtual_stages, opts.microbatches, ctx.mesh.tp, ctx.options.cost_model
+    if cm == CostModel() and not torch.cuda.is_available():
+        cm = CostModel.cpu()        # the machine the stages will run on, unless the user priced it
     stages = pp * v
     schedule = make_schedule(opts.schedule, pp, m, v)
     act = activations(gm)

@@ -91,3 +91,19 @@ def comms_for_mesh(device_mesh, spec, rank: int) -> dict:
     return {axis: AxisComm(axis, spec.axis_size(axis), coords[axis],
                            device_mesh.get_group(axis) if spec.axis_size(axis) > 1 else None)
             for axis in coords}
+
+
+class CommCounting:
+    """``comm_counts`` / ``reset_comm_counts`` for a module holding ``self.comms`` (one AxisComm per axis)."""
+
+    def comm_counts(self):
+        """Calls and bytes run since the last ``reset_comm_counts``, by (axis, phase, kind)."""
+        total = Tracer()
+        for c in self.comms.values():
+            total.calls.update(c.tracer.calls)
+            total.bytes.update(c.tracer.bytes)
+        return total.calls, total.bytes
+
+    def reset_comm_counts(self):
+        for c in self.comms.values():
+            c.tracer.reset()

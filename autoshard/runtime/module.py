@@ -24,7 +24,7 @@ from autoshard.ir.options import check_replicas_every
 from autoshard.ir.program import Program
 from autoshard.runtime import training
 from autoshard.runtime.bind import bind
-from autoshard.runtime.comm import AxisComm, Tracer
+from autoshard.runtime.comm import AxisComm, CommCounting
 from autoshard.runtime.params import ShardedParameters
 
 log = logging.getLogger("autoshard")
@@ -45,7 +45,7 @@ def program_key(training: bool, leaves, spec) -> ProgramKey:
     return ProgramKey(bool(training), sig, str(spec))
 
 
-class ParallelModule(nn.Module):
+class ParallelModule(CommCounting, nn.Module):
     """Runs this rank's compiled programs on its parameter shards (any torch optimizer).
 
     ``forward`` takes the same inputs as the original model and returns the same structure.
@@ -211,18 +211,6 @@ class ParallelModule(nn.Module):
     def check_replicas(self):
         """Raise on every rank, naming the parameters, if copies that should be identical have drifted."""
         training.check_replicas(self)
-
-    def comm_counts(self):
-        """Calls and bytes run since the last ``reset_comm_counts``, by (axis, phase, kind)."""
-        total = Tracer()
-        for c in self.comms.values():
-            total.calls.update(c.tracer.calls)
-            total.bytes.update(c.tracer.bytes)
-        return total.calls, total.bytes
-
-    def reset_comm_counts(self):
-        for c in self.comms.values():
-            c.tracer.reset()
 
     def _check_ranks_agree(self, program, model):
         """All tp ranks must run the same plan on the same weights; say so (on every rank) if they do not.

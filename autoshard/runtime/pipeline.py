@@ -39,7 +39,7 @@ from autoshard.ir.schedule import Action, Kind
 from autoshard.ir.simulator import Span, Timeline
 from autoshard.runtime import training
 from autoshard.runtime.bind import bind
-from autoshard.runtime.comm import AxisComm
+from autoshard.runtime.comm import AxisComm, CommCounting
 from autoshard.runtime.params import ShardedParameters
 
 log = logging.getLogger("autoshard")
@@ -77,7 +77,7 @@ def _tag(kind: Kind, sender: int, microbatch: int, m: int) -> int:
     return 1 + (2 * sender + (kind in (Kind.SEND_B, Kind.RECV_B))) * m + microbatch
 
 
-class PipelineModule(nn.Module):
+class PipelineModule(CommCounting, nn.Module):
     """This rank's stages of a pipelined model: its parameters, its stages' graphs, and ``step``.
 
     ``peers[i]`` is the global rank of pipeline rank i in this rank's pp group; ``tie_groups`` maps a
