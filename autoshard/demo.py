@@ -47,7 +47,7 @@ def main(argv=None):
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     tp = args.tp or max(1, world_size // args.pp)
     mesh = autoshard.init_mesh(tp=tp, pp=args.pp)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     text = load_text()
     chars = sorted(set(text))
     stoi = {c: i for i, c in enumerate(chars)}

@@ -72,7 +72,8 @@ def write_pipeline(prog, out: str) -> None:
     L += ["## Timelines", "",
           f"Simulated bubble {sim.bubble_over_ideal:.3f} of the ideal step; closed form "
           f"(p-1)/(v m) = {closed_form(sched):.3f}.", "",
-          "| simulated | measured (first pm.step) |", "|---|---|",
-          "| ![simulated](simulated.svg) | ![measured](measured.svg) |", ""]
+          "| simulated | measured (second pm.step; the first is warm-up) |", "|---|---|",
+          "| ![simulated](simulated.svg) | ![measured](measured.svg) |", "",
+          "The measured bubble and peak memory: [measured.md](measured.md) (written by pm.step).", ""]
     with open(os.path.join(out, "pipeline.md"), "w") as f:
         f.write("\n".join(L))

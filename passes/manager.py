@@ -31,6 +31,7 @@ from autoshard.passes.overlap import overlap_grad_allreduce_pass
 from autoshard.passes.pipeline_split import pipeline_split_pass
 from autoshard.passes.plan import plan_pass
 from autoshard.passes.tp_rewrite import tp_rewrite_pass
+from autoshard.passes.unit_axis import drop_unit_axis_pass
 from autoshard.passes.validate import check_heads_pass, check_local_shapes_pass
 
 
@@ -78,6 +79,7 @@ PASSES = [
          requires=(M.LOCAL_SHAPE,)),
     Pass("overlap_grad_allreduce", overlap_grad_allreduce_pass,
          "fuse f into its column-parallel matmul: the gradient all-reduce overlaps dW", requires=(M.LOCAL_SHAPE,)),
+    Pass("drop_unit_axis", drop_unit_axis_pass, "at tp=1 every collective is the identity: the model's own graph"),
     Pass("check_local_shapes", check_local_shapes_pass, "run on meta: every local shape as planned",
          requires=(M.LOCAL_SHAPE,)),
 ]

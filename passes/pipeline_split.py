@@ -170,7 +170,9 @@ def _in_flight(schedule) -> dict:
 
 
 def _fits(cost: StageCost, rank_in_flight: float, limit) -> bool:
-    return limit is None or cost.param_bytes + cost.activation_bytes * rank_in_flight <= limit
+    """Within the memory limit, and holding a parameter: a stage without one (the loss alone, say) would
+    leave its rank with nothing to optimise (``torch.optim`` refuses an empty parameter list)."""
+    return cost.param_bytes > 0 and (limit is None or cost.param_bytes + cost.activation_bytes * rank_in_flight <= limit)
 
 
 def balance(seg: Segments, stages: int, pp: int, in_flight: dict, v: int, tp: int, limit=None, send=None) -> list:
@@ -204,6 +206,9 @@ def balance(seg: Segments, stages: int, pp: int, in_flight: dict, v: int, tp: in
                 option = (max(best[k - 1][i][0], t), best[k - 1][i][1] + t * t)
                 if option < best[k][j]:
                     best[k][j], back[k][j] = option, i
+    if best[stages][n] == worst_case and limit is None:
+        raise PipelineSplitError(f"no {stages}-stage split gives every stage a parameter (the model's cut points "
+                                 "between its parameters are too few): use fewer stages (pp x v)")
     if best[stages][n] == worst_case:
         least = seg.chunk(0, n, tp).param_bytes / stages
         raise PipelineSplitError(f"no {stages}-stage split fits memory_limit={limit:.3g} bytes per rank (the "

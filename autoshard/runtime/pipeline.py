@@ -119,6 +119,10 @@ class PipelineModule(CommCounting, nn.Module):
         self.last_timeline: Timeline | None = None
         out = dump_dir(program.options.dump)
         self._dump = (out if program.rank == 0 else f"{out}/rank{program.rank}") if out else None
+        self._steps = 0
+        # count the bytes each microbatch's forward saves for backward (a saved_tensors_hooks callback per
+        # saved tensor, a few percent of a step on CPU): on when dumping, or set it for a benchmark
+        self.measure_memory = self._dump is not None
         self.train(True)
 
     # --- the step -----------------------------------------------------------------------------------------
@@ -135,8 +139,8 @@ class PipelineModule(CommCounting, nn.Module):
             return num_items
         return user[inp.name]
 
-    def _inputs(self, chunk, boundary, user, num_items) -> list:
-        params = iter(self.params.local_inputs(chunk.params))
+    def _inputs(self, chunk, boundary, user, num_items, params: list) -> list:
+        params = iter(params)
         out = []
         for inp in chunk.inputs:
             if inp.kind == "boundary":
@@ -169,25 +173,27 @@ class PipelineModule(CommCounting, nn.Module):
         saved_tied = self._stash_tied_grads()
         run = _Run(self, users, num_items)
         run.execute(sched.actions.get(self.program.pp_rank, []))
+        self.params.accumulate_step_grads(run.leaves)
         self._sum_tied_grads(saved_tied)
         loss = run.loss
         pp = self.comms["pp"]
         if pp.size > 1:
             loss = pp.all_reduce(loss.reshape(1).clone(), "loss")[0]
         self.last_timeline = run.timeline()
-        if self._dump:
+        self._steps += 1
+        if self._dump and self._steps <= 2:   # the first step warms up; the second is drawn over it
             self._dump_measured()
         return loss
 
     def _dump_measured(self) -> None:
-        """The first step's measured timeline beside the simulated one in ``pipeline.md`` (every pp rank
-        takes part in gathering it; each writes to its own dump directory)."""
-        tl, out, self._dump = self.measured_timeline(), self._dump, None
+        """The measured timeline (``measured.svg``, ``measured.md``) beside the simulated one in
+        ``pipeline.md``: every pp rank takes part in gathering it; each writes to its own dump directory."""
+        tl, out = self.measured_timeline(), self._dump
         sched = self.schedule
         tl.to_svg(os.path.join(out, "measured.svg"))
         ideal = (sched.pp - 1) / (sched.virtual * sched.microbatches)
-        with open(os.path.join(out, "pipeline.md"), "a") as f:
-            f.write(f"\nMeasured (first step, includes warm-up): step {tl.step_time * 1e3:.1f} ms, bubble "
+        with open(os.path.join(out, "measured.md"), "w") as f:
+            f.write(f"Measured (step {self._steps}{', with warm-up' if self._steps == 1 else ''}): step {tl.step_time * 1e3:.1f} ms, bubble "
                     f"{tl.bubble_over_ideal:.3f} of the busy time (closed form {ideal:.3f}); per rank busy "
                     + ", ".join(f"{r}: {b * 1e3:.1f} ms" for r, b in tl.busy.items())
                     + "; peak saved activations " + ", ".join(f"{r}: {b / 2**20:.2f} MiB"
@@ -282,6 +288,10 @@ class _Run:
         self.inbox, self.outbox, self.saved = {}, {}, {}
         self.pending, self.sends = [], []
         self.loss = torch.zeros((), dtype=torch.float32)
+        self.param_inputs = {}       # stage -> the graph's parameter inputs (local, padded, cast), per step
+        self.leaves = pm.params.step_leaves(list(pm.params.records))
+        self.param_storages = {t.untyped_storage().data_ptr() for t in self.leaves.values()} \
+            if pm.measure_memory else set()
         self.spans, self.busy = [], 0.0
         self.held = self.peak = 0
         self.start = time.perf_counter()
@@ -350,18 +360,25 @@ class _Run:
             x = self._take(("F", a.stage, a.microbatch)).detach().requires_grad_(True)
         t0 = time.perf_counter() - self.start
         graph = self.pm.graphs[str(a.stage)]
-        saved = _SavedBytes()
-        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-            out = graph(*self.pm._inputs(chunk, x, self.users[a.microbatch], self.num_items))
+        if a.stage not in self.param_inputs:   # once per step: the same local leaves feed every microbatch
+            self.param_inputs[a.stage] = self.pm.params.local_inputs(chunk.params, self.leaves)
+        inputs = self.pm._inputs(chunk, x, self.users[a.microbatch], self.num_items, self.param_inputs[a.stage])
+        saved = _SavedBytes(self.param_storages) if self.pm.measure_memory else None
+        if saved is None:
+            out = graph(*inputs)
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                out = graph(*inputs)
         if chunk.last:
             self.loss = self.loss + out.detach().float()
         elif self.sched.rank_of(a.stage + 1) == self.me:
             self.inbox[("F", a.stage + 1, a.microbatch)] = out.detach()
         else:
             self.outbox[("F", a.stage, a.microbatch)] = out.detach()
-        self.saved[a.stage, a.microbatch] = (x, out, saved.bytes)
+        nbytes = saved.bytes if saved is not None else 0
+        self.saved[a.stage, a.microbatch] = (x, out, nbytes)
         self._done(a, t0)
-        self.held += saved.bytes
+        self.held += nbytes
         self.peak = max(self.peak, self.held)
 
     def _backward(self, a: Action) -> None:
@@ -404,11 +421,11 @@ class _Run:
 
 
 class _SavedBytes:
-    """Counts the bytes autograd saves during one forward (each storage once, parameters included only
-    when a graph op saved a cast or padded copy): the activation memory that microbatch holds."""
+    """Counts the bytes autograd saves during one forward (each storage once; a parameter's own storage
+    is not an activation, but a cast or padded copy of it is): the activation memory one microbatch holds."""
 
-    def __init__(self):
-        self.bytes, self._seen = 0, set()
+    def __init__(self, exclude=frozenset()):
+        self.bytes, self._seen = 0, set(exclude)
 
     def pack(self, t):
         if not isinstance(t, nn.Parameter):
