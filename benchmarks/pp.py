@@ -133,6 +133,7 @@ def _bubble_rank(rank, world, job):
     cuts = [layers * k // (pp * v) for k in range(1, pp * v)]
     pm = autoshard.parallelize(model, autoshard.init_mesh(pp=pp), (x, y), microbatches=m,
                                schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v, pipeline_cuts=cuts)
+    pm.measure_memory = True      # the bubble runs report peak saved bytes too (a few % slower)
     times, bubbles, sims, peaks = [], [], [], []
     for step in range(job["warmup"] + steps):
         _, t = _timed_step(lambda: pm.step(x, y))
@@ -203,7 +204,9 @@ def _torch_rank(rank, world, job):
 
     # peak saved activations: the executor's own count for autoshard (a saved_tensors_hooks count like
     # LiveSaved, per microbatch, held from forward to backward), LiveSaved around torch's step
+    pm.measure_memory = True
     loss = ours()
+    pm.measure_memory = False
     mem = {"autoshard": (loss, max(pm.last_timeline.peak_activation_bytes.values()))}
     counter = LiveSaved(theirs_params)
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
@@ -256,6 +259,8 @@ def _balance_rank(rank, world, job):
                                             pipeline_cuts=list(uniform_cuts(8, 4)))}
     times = {k: [] for k in pms}
     sims = {k: [] for k in pms}
+    for pm in pms.values():
+        pm.measure_memory = True
     for step in range(job["warmup"] + job["steps"]):
         for name, pm in pms.items():
             _, t = _timed_step(lambda: pm.step(x, y))

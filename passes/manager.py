@@ -75,11 +75,11 @@ PASSES = [
     Pass("tp_rewrite", tp_rewrite_pass, "local shapes, collectives as ir.ops records, vocab-parallel lowerings",
          requires=(M.STRATEGY, M.SPEC, M.REQUIRES_GRAD), provides=(M.GLOBAL_SHAPE, M.LOCAL_SHAPE, M.SOURCE),
          in_place=False),
+    Pass("drop_unit_axis", drop_unit_axis_pass, "at tp=1 every collective is the identity: the model's own graph"),
     Pass("fuse_bias", fuse_bias_pass, "fold bias adds that stayed local back into the matmul",
          requires=(M.LOCAL_SHAPE,)),
     Pass("overlap_grad_allreduce", overlap_grad_allreduce_pass,
          "fuse f into its column-parallel matmul: the gradient all-reduce overlaps dW", requires=(M.LOCAL_SHAPE,)),
-    Pass("drop_unit_axis", drop_unit_axis_pass, "at tp=1 every collective is the identity: the model's own graph"),
     Pass("check_local_shapes", check_local_shapes_pass, "run on meta: every local shape as planned",
          requires=(M.LOCAL_SHAPE,)),
 ]

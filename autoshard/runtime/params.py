@@ -132,8 +132,7 @@ class ShardedParameters(nn.Module):
             p = self.shards[self.keys[name]]
             g = leaf.grad
             if DTensor is not None and isinstance(p, DTensor):
-                g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                       stride=p.stride())
+                g = DTensor(g, p._spec, requires_grad=False)   # the parameter's own spec: same mesh and layout
             if p.grad is None:
                 p.grad = g
             else:

@@ -402,11 +402,19 @@ class _Run:
         self.busy += t1 - t0
 
     def execute(self, actions: list) -> None:
+        """Walk the actions. Every receive of the step is posted up front (its buffer's shape is known
+        from the compiled chunks), so a transfer runs as soon as its sender sends, while this rank
+        computes, instead of starting when the data is needed. The buffers are the boundary tensors of
+        the step's microbatches: small next to the activations they feed. Sends go out right after the
+        compute that made them."""
+        receives = [a for a in actions if a.kind in (Kind.RECV_F, Kind.RECV_B)]
+        for a in receives:
+            self._post(a)
         for a in actions:
             if a.is_compute:
                 self._flush()
                 (self._forward if a.kind is Kind.F else self._backward)(a)
-            else:
+            elif a.kind in (Kind.SEND_F, Kind.SEND_B):
                 self._post(a)
         self._flush()
         for a, work, _ in self.sends:
