@@ -183,8 +183,10 @@ def _torch_rank(rank, world, job):
     model = _gpt(layers, job["vocab"], job["hidden"], job["seq"], tie=False)
     ours_model, theirs_model = copy.deepcopy(model), copy.deepcopy(model)
     x, y = _batch(job["vocab"], job["batch"], job["seq"], 0)
-    pm = autoshard.parallelize(ours_model, autoshard.init_mesh(pp=pp), (x, y), microbatches=m,
-                               schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v, pipeline_cuts=cuts)
+    mesh = autoshard.init_mesh(pp=pp)
+    kw = dict(microbatches=m, schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v)
+    pm = autoshard.parallelize(ours_model, mesh, (x, y), pipeline_cuts=cuts, **kw)
+    balanced = autoshard.parallelize(copy.deepcopy(model), mesh, (x, y), **kw)   # our own cuts
     sched, modules = torch_pipeline(theirs_model, cuts, rank, pp, v, m)
     theirs_params = [p for mod in modules for p in mod.parameters()]
     last = rank == (pp * v - 1) % pp
@@ -202,6 +204,9 @@ def _torch_rank(rank, world, job):
     def ours():
         return float(pm.step(x, y))
 
+    def ours_balanced():
+        return float(balanced.step(x, y))
+
     # peak saved activations: the executor's own count for autoshard (a saved_tensors_hooks count like
     # LiveSaved, per microbatch, held from forward to backward), LiveSaved around torch's step
     pm.measure_memory = True
@@ -216,18 +221,20 @@ def _torch_rank(rank, world, job):
         p.grad = None
     if abs(mem["autoshard"][0] - mem["torch"][0]) > 1e-5 * abs(mem["torch"][0]):
         raise RuntimeError(f"losses differ: autoshard {mem['autoshard'][0]} vs torch {mem['torch'][0]}")
-    times = {"autoshard": [], "torch": []}
+    times = {"autoshard": [], "torch": [], "balanced": []}
     for step in range(job["warmup"] + job["steps"]):
-        for name, fn in (("autoshard", ours), ("torch", theirs)):
+        for name, fn in (("autoshard", ours), ("torch", theirs), ("balanced", ours_balanced)):
             _, t = _timed_step(fn)
             if step >= job["warmup"]:
                 times[name].append(t)
-        for p in list(pm.parameters()) + theirs_params:
+        for p in list(pm.parameters()) + theirs_params + list(balanced.parameters()):
             p.grad = None
     peak = {k: torch.tensor([float(v[1])]) for k, v in mem.items()}
     for t in peak.values():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(loss=mem["autoshard"][0], torch_loss=mem["torch"][0],
+                balanced=statistics.median(times["balanced"]),
+                balanced_layers=[list(c.layers) for c in balanced.program.plan.costs],
                 ours=statistics.median(times["autoshard"]), theirs=statistics.median(times["torch"]),
                 ours_min=min(times["autoshard"]), theirs_min=min(times["torch"]),
                 ours_peak=float(peak["autoshard"]), theirs_peak=float(peak["torch"]))
@@ -239,10 +246,12 @@ def versus_torch(args) -> list:
         job = dict(pp=2, v=v, m=args.m, layers=8, vocab=args.vocab, hidden=args.hidden, seq=args.seq,
                    batch=args.batch, steps=args.steps, warmup=args.warmup)
         res = launch(_torch_rank, 2, job, timeout=args.timeout)[0]
-        rows.append(dict(pp=2, v=v, m=args.m, ratio=res["ours"] / res["theirs"], **res))
-        print(f"vs torch pp=2 v={v}: autoshard {res['ours'] * 1e3:.1f} ms, torch {res['theirs'] * 1e3:.1f} ms "
-              f"({res['ours'] / res['theirs']:.3f}x); peak saved {res['ours_peak'] / 2**20:.1f} vs "
-              f"{res['theirs_peak'] / 2**20:.1f} MiB", flush=True)
+        rows.append(dict(pp=2, v=v, m=args.m, ratio=res["ours"] / res["theirs"],
+                         balanced_ratio=res["balanced"] / res["theirs"], **res))
+        print(f"vs torch pp=2 v={v}: autoshard {res['ours'] * 1e3:.1f} ms (same cuts), {res['balanced'] * 1e3:.1f} ms "
+              f"(own cuts {res['balanced_layers']}), torch {res['theirs'] * 1e3:.1f} ms: "
+              f"{res['ours'] / res['theirs']:.3f}x and {res['balanced'] / res['theirs']:.3f}x; peak saved "
+              f"{res['ours_peak'] / 2**20:.1f} vs {res['theirs_peak'] / 2**20:.1f} MiB", flush=True)
     return rows
 
 
@@ -298,12 +307,14 @@ def markdown(res: dict) -> str:
                      f"{r['peak'] / 2**20:.2f} | {r['predicted_peak'] / 2**20:.2f} |")
     if res.get("torch"):
         L += ["", "## Against torch.distributed.pipelining (same model, weights, cuts; interleaved timing)", "",
-              "| p | v | m | loss (ours / torch) | autoshard ms | torch ms | ratio (median) | ratio (min) | peak saved MiB ours / torch |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| p | v | m | loss (ours / torch) | autoshard ms (torch's cuts) | torch ms | ratio (median) | ratio (min) | "
+              "autoshard ms (its own cuts) | ratio | peak saved MiB ours / torch |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["torch"]:
             L.append(f"| {r['pp']} | {r['v']} | {r['m']} | {r['loss']:.6f} / {r['torch_loss']:.6f} | "
                      f"{r['ours'] * 1e3:.1f} | {r['theirs'] * 1e3:.1f} | {r['ratio']:.3f} | "
-                     f"{r['ours_min'] / r['theirs_min']:.3f} | {r['ours_peak'] / 2**20:.2f} / {r['theirs_peak'] / 2**20:.2f} |")
+                     f"{r['ours_min'] / r['theirs_min']:.3f} | {r['balanced'] * 1e3:.1f} {r['balanced_layers']} | "
+                     f"{r['balanced_ratio']:.3f} | {r['ours_peak'] / 2**20:.2f} / {r['theirs_peak'] / 2**20:.2f} |")
     if res.get("balance"):
         L += ["", "## Balanced vs uniform cuts (vocab 50304, 8 layers, p=4, m=8)", "",
               "| cuts | layers per stage | predicted ms | simulated from measured stage times ms | measured ms |",

@@ -99,7 +99,11 @@ def node_seconds(n: fx.Node, cm) -> float:
     f = flops(n, shape_of)
     name = getattr(getattr(n.target, "overloadpacket", None), "__name__", "")
     moved = _nbytes(val(n)) + sum(_nbytes(val(a)) for a in n.all_input_nodes)
-    return f / cm.flops if name in _MATMULS else max(f / cm.flops, moved / cm.memory_bandwidth)
+    if name in ("view", "reshape", "_unsafe_view", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze",
+                "slice", "select", "split", "alias", "detach", "getitem"):
+        return cm.op_overhead / 4       # a view: no data moves, only the dispatch
+    work = f / cm.flops if name in _MATMULS else max(f / cm.flops, moved / cm.memory_bandwidth)
+    return cm.op_overhead + work
 
 
 def layer_prefix(gm: fx.GraphModule) -> str | None:
