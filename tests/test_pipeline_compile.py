@@ -32,7 +32,7 @@ def test_cuts_follow_the_residual_stream_and_cover_every_parameter_once():
     assert prog.ties() == {"lm_head.weight": [0, 1]}           # the tied embedding and head: both stages
     assert set(c0.param_names) & set(c1.param_names) == {"lm_head.weight"}
     layers = [set(c.layers) for c in prog.plan.costs]
-    assert layers[0] | layers[1] == {0, 1, 2, 3} and not layers[0] & layers[1]
+    assert layers[0] | layers[1] == {0, 1, 2, 3} and len(layers[0] & layers[1]) <= 1   # at most one layer cut in two
 
 
 def test_pipeline_cuts_override_and_uneven_layers():
