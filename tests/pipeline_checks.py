@@ -39,13 +39,15 @@ def _loss(kind, out):
 def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
     """Per step: |loss - ref| / |ref| and the largest gradient error (relative to the largest gradient);
     then the final parameters' error, and whether tied copies stayed bit-identical."""
+    options = dict(options)
+    clip = options.pop("clip", None)      # clip every step with pm.clip_grad_norm_ (the norm over all stages)
     model, vocab = build_model(kind, cfg)
     ref = copy.deepcopy(model)
     args, kwargs = ragged_batch(kind, vocab, B, T, seed=1)
     pm = autoshard.parallelize(model, autoshard.init_mesh(**mesh), args, kwargs, **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-4)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
-    losses, grads = [], []
+    losses, grads, norms = [], [], []
     for step in range(steps):
         args, kwargs = ragged_batch(kind, vocab, B, T, seed=10 + step)
         loss = pm.step(*args, **kwargs)
@@ -59,6 +61,10 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
             full = pm.gather(name, p.grad)
             err = max(err, float((full - rgrad[name].grad).abs().max()) / scale)
         grads.append(err)
+        if clip is not None:
+            norm = float(pm.clip_grad_norm_(clip))
+            rnorm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip))
+            norms.append(abs(norm - rnorm) / rnorm)
         opt.step(); ropt.step(); opt.zero_grad(); ropt.zero_grad()
     pm = pm if not hasattr(pm, "_stepper") else pm._stepper   # pp = 1: ParallelModule.step's executor
     full = pm.full_state_dict()
@@ -72,7 +78,7 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
             torch.distributed.all_gather(every, local.contiguous(), group=pm.tie_groups[name])
             tied[name] = bool(torch.equal(every[0], every[1]))
     prog = pm.program
-    return dict(losses=losses, grads=grads, final=final, tied=tied, ties=prog.ties(), exact=prog.loss.exact,
+    return dict(losses=losses, grads=grads, norms=norms, final=final, tied=tied, ties=prog.ties(), exact=prog.loss.exact,
                 stages=[c.index for c in prog.own])
 
 

@@ -1,6 +1,7 @@
 """Pipeline parallelism on gloo ranks: ``pm.step`` against the single-device model on the whole batch.
 
-Every run checks the loss, every gradient gathered to full shape, then 3 AdamW steps, on batches whose
+Every run checks the loss, every gradient gathered to full shape, then 3 AdamW steps (two configurations clip every step with
+``pm.clip_grad_norm_``: the norm over every stage, a tied weight counted once), on batches whose
 microbatches hold different numbers of ignored targets (the sum-and-count loss must be exact). The
 configurations share one process group per world size, to keep ``make test`` short.
 """
@@ -16,7 +17,7 @@ GPT = dict(n_layer=4)
 
 TWO_RANKS = [
     ("gpt", dict(pp=2), dict(microbatches=4, schedule="gpipe"), GPT),
-    ("gpt", dict(pp=2), dict(microbatches=4, schedule="1f1b"), GPT),
+    ("gpt", dict(pp=2), dict(microbatches=4, schedule="1f1b", clip=0.05), GPT),
     ("gpt", dict(pp=2), dict(microbatches=4, schedule="interleaved", virtual_stages=2), GPT),
     ("gpt", dict(pp=2), dict(microbatches=2, schedule="1f1b"), dict(n_layer=5, tie_weights=False, fused_qkv=False)),
     ("gpt", dict(pp=2), dict(microbatches=2, pipeline_cuts=[1]), GPT),
@@ -27,7 +28,7 @@ TWO_RANKS = [
 FOUR_RANKS = [
     ("gpt", dict(pp=4), dict(microbatches=4, schedule="interleaved", virtual_stages=2), GPT),
     ("gpt", dict(pp=4), dict(microbatches=4, schedule="1f1b"), dict(n_layer=4, tie_weights=False)),
-    ("gpt", dict(pp=2, tp=2), dict(microbatches=2, schedule="1f1b"), GPT),
+    ("gpt", dict(pp=2, tp=2), dict(microbatches=2, schedule="1f1b", clip=0.05), GPT),
     ("hf", dict(pp=2, tp=2), dict(microbatches=2, schedule="interleaved", virtual_stages=2), {}),
 ]
 
@@ -37,6 +38,7 @@ def _check(configs, results):
         for r in per_rank:
             assert max(r["losses"]) < TOL, (config, r["losses"])
             assert max(r["grads"]) < TOL, (config, r["grads"])
+            assert max(r["norms"], default=0) < TOL, (config, r["norms"])   # clipped by the global norm
             assert r["final"] < TOL, (config, r["final"])
             assert r["exact"], config
             assert all(r["tied"].values()), (config, r["tied"])   # tied copies bit-identical after 3 steps

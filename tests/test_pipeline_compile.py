@@ -145,3 +145,24 @@ def test_cost_model_prices_the_split():
     options = CompileOptions(cost_model=slow_memory, pipeline=PipelineOptions(microbatches=2))
     prog = autoshard.compile_pipeline(build("gpt", n_layer=2), {"pp": 2}, 0, *batch("gpt", 96, B=4), options)
     assert prog.plan.predicted_step > 1e-3      # bytes-bound ops dominate at 1 MB/s
+
+
+def test_each_rank_materialises_only_its_stages_also_from_meta():
+    """A model built on meta: each pipeline rank creates only its own stages' parameters (no process
+    group needed to build the module), and pm(...) says to call pm.step."""
+    from autoshard.runtime.pipeline import PipelineModule
+    with torch.device("meta"):
+        model = build("gpt", n_layer=4, tie_weights=False)
+    args, kwargs = batch("gpt", 96, B=4)
+    names = set(dict(model.named_parameters()))
+    held = []
+    for rank in (0, 1):
+        prog = compile_pp(model, args, kwargs, rank=rank)
+        pm = PipelineModule(prog, model)
+        mine = set(pm.local_parameters())
+        assert mine == set(prog.own[0].param_names) and not any(p.is_meta for p in pm.parameters())
+        held.append(mine)
+        with pytest.raises(TypeError, match=r"call pm.step"):
+            pm(*args)
+    assert held[0] | held[1] == names and not held[0] & held[1]
+    assert set(pm.state_dict()) >= held[1]        # the model's own names

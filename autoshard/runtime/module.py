@@ -24,7 +24,7 @@ from autoshard.ir.options import check_replicas_every
 from autoshard.ir.program import Program
 from autoshard.runtime import training
 from autoshard.runtime.bind import bind
-from autoshard.runtime.comm import AxisComm, CommCounting
+from autoshard.runtime.comm import AxisComm
 from autoshard.runtime.params import ShardedParameters
 
 log = logging.getLogger("autoshard")
@@ -45,7 +45,7 @@ def program_key(training: bool, leaves, spec) -> ProgramKey:
     return ProgramKey(bool(training), sig, str(spec))
 
 
-class ParallelModule(CommCounting, nn.Module):
+class ParallelModule(training.TrainingMethods, nn.Module):
     """Runs this rank's compiled programs on its parameter shards (any torch optimizer).
 
     ``forward`` takes the same inputs as the original model and returns the same structure.
@@ -187,31 +187,7 @@ class ParallelModule(CommCounting, nn.Module):
                                                        buffers=self._model_buffers, persistent=self._persistent)
         return self._stepper.step(*args, **kwargs)
 
-    # --- parameters, gradients and checks ------------------------------------------------------------------
-    @property
-    def tp(self) -> AxisComm:
-        return self.comms["tp"]
-
-    @property
-    def records(self) -> dict:
-        return self.params.records
-
-    def local_parameters(self) -> dict:
-        """``{original name: parameter}`` (a DTensor on a real mesh, a local tensor otherwise)."""
-        return {name: self.params.shards[k] for name, k in self.params.keys.items()}
-
-    def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """The full tensor of parameter ``name``'s shard (or its gradient); a collective when sharded."""
-        return self.params.gather(name, local)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
-        """Clip every gradient by the norm over the whole model (every rank's shards, replicas once)."""
-        return training.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
-
-    def check_replicas(self):
-        """Raise on every rank, naming the parameters, if copies that should be identical have drifted."""
-        training.check_replicas(self)
-
+    # --- checks ----------------------------------------------------------------------------------------------
     def _check_ranks_agree(self, program, model):
         """All tp ranks must run the same plan on the same weights; say so (on every rank) if they do not.
 

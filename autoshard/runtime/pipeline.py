@@ -39,7 +39,8 @@ from autoshard.ir.schedule import Action, Kind
 from autoshard.ir.simulator import Span, Timeline
 from autoshard.runtime import training
 from autoshard.runtime.bind import bind
-from autoshard.runtime.comm import AxisComm, CommCounting
+from autoshard.runtime.comm import AxisComm
+from autoshard.runtime.module import _load_state_dict_names, _state_dict_names
 from autoshard.runtime.params import ShardedParameters
 
 log = logging.getLogger("autoshard")
@@ -77,7 +78,7 @@ def _tag(kind: Kind, sender: int, microbatch: int, m: int) -> int:
     return 1 + (2 * sender + (kind in (Kind.SEND_B, Kind.RECV_B))) * m + microbatch
 
 
-class PipelineModule(CommCounting, nn.Module):
+class PipelineModule(training.TrainingMethods, nn.Module):
     """This rank's stages of a pipelined model: its parameters, its stages' graphs, and ``step``.
 
     ``peers[i]`` is the global rank of pipeline rank i in this rank's pp group; ``tie_groups`` maps a
@@ -106,7 +107,7 @@ class PipelineModule(CommCounting, nn.Module):
         self.timeout = datetime.timedelta(seconds=pg_timeout_seconds())
         model_buffers = dict(model.named_buffers()) if model is not None else dict(buffers or {})
         self._persistent = set(model.state_dict().keys()) if model is not None else set(persistent or ())
-        self._buffers_by_name = {}
+        self._buffers_by_name, self._buffer_names = {}, []   # buffer name -> attribute b0, b1, ... (and in order)
         for c in program.own:
             for i in c.inputs:
                 if i.kind == "buffer" and i.name in model_buffers and i.name not in self._buffers_by_name:
@@ -114,6 +115,7 @@ class PipelineModule(CommCounting, nn.Module):
                     self.register_buffer(attr, model_buffers[i.name].detach().clone(),
                                          persistent=i.name in self._persistent)
                     self._buffers_by_name[i.name] = attr
+                    self._buffer_names.append(i.name)
         self._constants = {k: v.detach().clone() for k, v in program.captured.constants.items()}
         self.graphs = nn.ModuleDict({str(c.index): bind(c.gm, self.comms) for c in program.own})
         self.last_timeline: Timeline | None = None
@@ -124,6 +126,13 @@ class PipelineModule(CommCounting, nn.Module):
         # saved tensor, a few percent of a step on CPU): on when dumping, or set it for a benchmark
         self.measure_memory = self._dump is not None
         self.train(True)
+        # state_dict() with the model's own names, as ParallelModule's (this rank's stages only)
+        self._register_state_dict_hook(_state_dict_names)
+        self._register_load_state_dict_pre_hook(_load_state_dict_names, with_module=True)
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("a pipelined model runs whole training steps: call pm.step(*batch) (forward and backward "
+                        "over the microbatches, returning the loss); pm(...) runs a forward only for pp=1")
 
     # --- the step -----------------------------------------------------------------------------------------
     @property
@@ -222,25 +231,7 @@ class PipelineModule(CommCounting, nn.Module):
             if saved[name] is not None:
                 p.grad += saved[name]
 
-    # --- what a training loop needs ---------------------------------------------------------------------------
-    @property
-    def tp(self) -> AxisComm:
-        return self.comms["tp"]
-
-    @property
-    def records(self) -> dict:
-        return self.params.records
-
-    def local_parameters(self) -> dict:
-        return {name: self.params.shards[k] for name, k in self.params.keys.items()}
-
-    def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        return self.params.gather(name, local)
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
-        """Clip by the norm over the whole model: every stage, every shard, a tied weight counted once."""
-        return training.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
-
+    # --- state -------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self) -> dict:
         """The single-device state dict (original names, full shapes), on every rank: each pp rank gathers

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard.ir.placement import Shard
+from autoshard.runtime.comm import CommCounting
 
 
 def _local_grads(pm):
@@ -94,3 +95,33 @@ def check_replicas(pm):
         raise RuntimeError(f"replicated parameters differ between the {pm.tp.size} tensor-parallel ranks: "
                            f"{drifted}. Something changed them on some ranks only (a per-rank gradient scale, a "
                            "clip by a local norm, a different seed); training from here trains different models")
+
+
+class TrainingMethods(CommCounting):
+    """What ``ParallelModule`` and ``PipelineModule`` both give a training loop, over ``self.params``
+    (``ShardedParameters``) and ``self.comms`` (one AxisComm per mesh axis)."""
+
+    @property
+    def tp(self):
+        return self.comms["tp"]
+
+    @property
+    def records(self) -> dict:
+        return self.params.records
+
+    def local_parameters(self) -> dict:
+        """``{original name: parameter}`` (a DTensor on a real mesh, a local tensor otherwise)."""
+        return {name: self.params.shards[k] for name, k in self.params.keys.items()}
+
+    def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The full tensor of parameter ``name``'s shard (or its gradient); a collective when sharded."""
+        return self.params.gather(name, local)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False):
+        """Clip every gradient by the norm over the whole model: every rank's shards and every pipeline
+        stage, replicas and a tied weight's second copy counted once."""
+        return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
+
+    def check_replicas(self):
+        """Raise on every rank, naming the parameters, if copies that should be identical have drifted."""
+        check_replicas(self)
