@@ -36,6 +36,23 @@ from autoshard.ir.simulator import Costs, simulate
 
 ADAM_BYTES_PER_PARAM_BYTE = 4      # the parameter, its gradient, and AdamW's two moments
 _MATMULS = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "scaled_dot_product_attention"}
+_VIEWS = {"view", "reshape", "_unsafe_view", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze", "slice",
+          "select", "split", "alias", "detach", "getitem", "contiguous", "clone"}
+# ops whose backward needs none of their inputs: a value only they read is not kept for backward
+_KEEP_NOTHING = _VIEWS | {"add", "sub", "neg", "cat", "dropout", "to", "_to_copy", "sum", "mean", "div_scalar"}
+
+
+def _op_name(n: fx.Node) -> str:
+    if n.op != "call_function":
+        return n.op
+    return getattr(getattr(n.target, "overloadpacket", None), "__name__", getattr(n.target, "__name__", ""))
+
+
+def saved_for_backward(n: fx.Node) -> bool:
+    """Whether autograd keeps ``n``'s output until backward: some op that reads it needs it for its own
+    gradient (a matmul, a norm, an activation function, attention), or it is attention's own output."""
+    return _op_name(n) == "scaled_dot_product_attention" or any(
+        _op_name(u) not in _KEEP_NOTHING for u in n.users if u.op == "call_function")
 
 
 class PipelineSplitError(ValueError):
@@ -99,8 +116,7 @@ def node_seconds(n: fx.Node, cm) -> float:
     f = flops(n, shape_of)
     name = getattr(getattr(n.target, "overloadpacket", None), "__name__", "")
     moved = _nbytes(val(n)) + sum(_nbytes(val(a)) for a in n.all_input_nodes)
-    if name in ("view", "reshape", "_unsafe_view", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze",
-                "slice", "select", "split", "alias", "detach", "getitem"):
+    if name in _VIEWS - {"contiguous", "clone"}:
         return cm.op_overhead / 4       # a view: no data moves, only the dispatch
     work = f / cm.flops if name in _MATMULS else max(f / cm.flops, moved / cm.memory_bandwidth)
     return cm.op_overhead + work
@@ -159,7 +175,8 @@ def price(gm: fx.GraphModule, act: set, cands: list, cm, prefix) -> Segments:
             continue
         seg.seconds[k] += node_seconds(n, cm)
         seg.flops[k] += flops(n, shape_of) if n.op == "call_function" else 0
-        seg.activation_bytes[k] += _nbytes(val(n))
+        if saved_for_backward(n):
+            seg.activation_bytes[k] += _nbytes(val(n))
         layer = layer_of(n, prefix)
         if layer is not None:
             seg.layers[k].add(layer)
