@@ -32,6 +32,9 @@ test: venv
 bench: venv $(VENV)/.bench-installed
 	$(BIN)/python -m benchmarks.tp
 
+bench-pp: venv
+	$(BIN)/python -m benchmarks.pp
+
 clean:
 	rm -rf build/ *.egg-info/ .pytest_cache/ dumps/ autoshard_dump/ benchmarks/out/
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +

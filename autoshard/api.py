@@ -81,6 +81,21 @@ def _check_compute_dtypes(gm, dtype):
                              "the model (for example `pe.to(x.dtype)`), or parallelize without mixed_precision")
 
 
+def _capture(model, args, kwargs, options: CompileOptions, training: bool) -> Captured:
+    """The model as export sees it in ``training`` mode (a bf16 twin under mixed precision)."""
+    traced = compute_twin(model, COMPUTE_DTYPES[options.mixed_precision]) if options.mixed_precision else model
+    with _mode(traced, training):
+        captured = capture(traced, tuple(args), dict(kwargs or {}))
+    if options.mixed_precision:
+        _check_compute_dtypes(captured.gm, COMPUTE_DTYPES[options.mixed_precision])
+    return captured
+
+
+def _rank_dump_dir(options: CompileOptions, rank: int) -> str | None:
+    out = dump_dir(options.dump)
+    return f"{out}/rank{rank}" if out and rank != 0 else out
+
+
 def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwargs=None,
                  options: CompileOptions | None = None, captured: Captured | None = None,
                  training: bool | None = None) -> Program:
@@ -101,14 +116,9 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
     check_pass_list(options.disable)
     start = time.perf_counter()
     if captured is None:
-        traced = compute_twin(model, COMPUTE_DTYPES[options.mixed_precision]) if options.mixed_precision else model
-        with _mode(traced, training if training is not None else model.training):
-            captured = capture(traced, tuple(example_args), dict(example_kwargs or {}))
-        if options.mixed_precision:
-            _check_compute_dtypes(captured.gm, COMPUTE_DTYPES[options.mixed_precision])
-    out = dump_dir(options.dump)
-    if out and rank != 0:
-        out = f"{out}/rank{rank}"
+        captured = _capture(model, example_args, example_kwargs, options,
+                            training if training is not None else model.training)
+    out = _rank_dump_dir(options, rank)
     ctx = PassContext(spec, rank, options, out)
     local, timings = run_passes(captured.gm, ctx)
     prog = Program(local, captured, spec, rank, options, param_records(local), collective_records(local),
@@ -142,14 +152,8 @@ def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example
     validate(schedule)
     leaves, in_spec = torch.utils._pytree.tree_flatten((tuple(example_args), dict(example_kwargs or {})))
     args, kwargs = torch.utils._pytree.tree_unflatten(split_batch(leaves, popts.microbatches)[0], in_spec)
-    traced = compute_twin(model, COMPUTE_DTYPES[options.mixed_precision]) if options.mixed_precision else model
-    with _mode(traced, True):
-        captured = capture(traced, tuple(args), dict(kwargs))
-    if options.mixed_precision:
-        _check_compute_dtypes(captured.gm, COMPUTE_DTYPES[options.mixed_precision])
-    out = dump_dir(options.dump)
-    if out and rank != 0:
-        out = f"{out}/rank{rank}"
+    captured = _capture(model, args, kwargs, options, True)
+    out = _rank_dump_dir(options, rank)
     local, timings = run_passes(captured.gm, PassContext(spec, rank, options, out))
     plan = local.meta[STAGE_PLAN]
     chunks, plan.recomputed = split_chunks(local, plan)

@@ -186,10 +186,6 @@ def price(gm: fx.GraphModule, act: set, cands: list, cm, prefix) -> Segments:
     return seg
 
 
-def _in_flight(schedule) -> dict:
-    return validate(schedule)
-
-
 def _fits(cost: StageCost, rank_in_flight: float, limit) -> bool:
     """Within the memory limit, and holding a parameter: a stage without one (the loss alone, say) would
     leave its rank with nothing to optimise (``torch.optim`` refuses an empty parameter list)."""
@@ -309,7 +305,7 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         cuts, how = [], "one stage"
     else:
         send = [0.0] + [cm.p2p_latency + _nbytes(val(c.boundary)) / cm.p2p_bandwidth for c in cands] + [0.0]
-        cuts = balance(seg, stages, pp, _in_flight(schedule), v, tp, opts.memory_limit, send)
+        cuts = balance(seg, stages, pp, validate(schedule), v, tp, opts.memory_limit, send)
         how = "balanced"
     costs, step, peak = predict(seg, cuts, schedule, tp, cm, cands)
     plan = StagePlan(stages, [cands[c - 1].boundary.name for c in cuts], costs, how, len(cands), count, step, peak)
