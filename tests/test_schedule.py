@@ -217,7 +217,7 @@ def test_svg_has_one_row_per_rank(tmp_path, gen, pp, m, v):
 
 
 def test_simulator_imports_no_compiler_and_no_torch():
-    source = pathlib.Path(__file__).parents[1] / "autoshard" / "runtime" / "simulator.py"
+    source = pathlib.Path(__file__).parents[1] / "autoshard" / "ir" / "simulator.py"
     imported = set()
     for node in ast.walk(ast.parse(source.read_text())):
         if isinstance(node, ast.Import):
