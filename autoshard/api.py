@@ -142,8 +142,6 @@ def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example
         options = dataclasses.replace(options, pipeline=PipelineOptions())
     options = dataclasses.replace(options, loss_only=True)
     spec = mesh_spec(mesh)
-    if spec.dp > 1:
-        raise NotImplementedError(f"mesh {spec}: data parallelism is not implemented yet; use a mesh with dp=1")
     spec.coords(rank)
     check_pass_list(options.disable)
     start = time.perf_counter()
@@ -211,7 +209,7 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
         raise ValueError("parallelize needs a DeviceMesh from autoshard.init_mesh for more than one rank; "
                          "use autoshard.compile_rank for compile-only runs")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if spec.pp > 1:
+    if spec.pp > 1 or spec.dp > 1:
         program = compile_pipeline(model, spec, rank, example_args, example_kwargs, options)
         comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
         peers = spec.group_ranks(rank, "pp")

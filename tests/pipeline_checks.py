@@ -43,14 +43,17 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
     clip = options.pop("clip", None)      # clip every step with pm.clip_grad_norm_ (the norm over all stages)
     model, vocab = build_model(kind, cfg)
     ref = copy.deepcopy(model)
-    args, kwargs = ragged_batch(kind, vocab, B, T, seed=1)
-    pm = autoshard.parallelize(model, autoshard.init_mesh(**mesh), args, kwargs, **options)
+    dp = mesh.get("dp", 1)            # each dp rank steps on its rows of a global batch of B * dp
+    device_mesh = autoshard.init_mesh(**mesh)
+    args, kwargs = ragged_batch(kind, vocab, B * dp, T, seed=1)
+    pm = autoshard.parallelize(model, device_mesh, *autoshard.local_batch((args, kwargs), device_mesh), **options)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-4)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
     losses, grads, norms = [], [], []
     for step in range(steps):
-        args, kwargs = ragged_batch(kind, vocab, B, T, seed=10 + step)
-        loss = pm.step(*args, **kwargs)
+        args, kwargs = ragged_batch(kind, vocab, B * dp, T, seed=10 + step)
+        local_args, local_kwargs = autoshard.local_batch((args, kwargs), device_mesh)
+        loss = pm.step(*local_args, **local_kwargs)
         rloss = _loss(kind, ref(*args, **kwargs))
         rloss.backward()
         losses.append(abs(float(loss) - float(rloss.detach())) / abs(float(rloss.detach())))

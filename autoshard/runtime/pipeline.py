@@ -40,6 +40,7 @@ from autoshard.ir.simulator import Span, Timeline
 from autoshard.runtime import training
 from autoshard.runtime.bind import bind
 from autoshard.runtime.comm import AxisComm
+from autoshard.runtime.data_parallel import GradReducer
 from autoshard.runtime.module import _load_state_dict_names, _state_dict_names
 from autoshard.runtime.params import ShardedParameters
 
@@ -122,6 +123,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         out = dump_dir(program.options.dump)
         self._dump = (out if program.rank == 0 else f"{out}/rank{program.rank}") if out else None
         self._steps = 0
+        self.last_dp_wait = 0.0              # seconds the last step blocked on dp all-reduces after backward
         # count the bytes each microbatch's forward saves for backward (a saved_tensors_hooks callback per
         # saved tensor, a few percent of a step on CPU): on when dumping, or set it for a benchmark
         self.measure_memory = self._dump is not None
@@ -161,11 +163,14 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         return out
 
     def _counts(self, micro_users: list) -> torch.Tensor:
-        loss = self.program.loss
+        """The denominator of the global batch's loss: non-ignored targets over every microbatch of every
+        dp rank (one all-reduce over dp), or the number of microbatches for the mean-of-means fallback."""
+        loss, dp = self.program.loss, self.comms["dp"]
         if not loss.exact:
-            return torch.tensor(float(len(micro_users)))
-        total = sum(loss.count(*[u[n] for n in loss.count_inputs]) for u in micro_users)
-        return torch.as_tensor(total, dtype=torch.float32)
+            return torch.tensor(float(len(micro_users) * dp.size))
+        total = torch.as_tensor(sum(loss.count(*[u[n] for n in loss.count_inputs]) for u in micro_users),
+                                dtype=torch.float32).reshape(1).clone()
+        return dp.all_reduce(total, "count")[0] if dp.size > 1 else total[0]
 
     def step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of the whole batch over the pipeline: returns the loss (on every rank)
@@ -182,12 +187,16 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         saved_tied = self._stash_tied_grads()
         run = _Run(self, users, num_items)
         run.execute(sched.actions.get(self.program.pp_rank, []))
+        if run.reducer is not None:
+            run.reducer.finish()                 # the dp sums, overlapped with the last backward
+            self.last_dp_wait = run.reducer.comm_seconds
         self.params.accumulate_step_grads(run.leaves)
-        self._sum_tied_grads(saved_tied)
-        loss = run.loss
-        pp = self.comms["pp"]
-        if pp.size > 1:
-            loss = pp.all_reduce(loss.reshape(1).clone(), "loss")[0]
+        self._sum_tied_grads(saved_tied)       # after the dp sum: both are complete sums, in either order
+        loss = run.loss.reshape(1).clone()
+        for axis in ("pp", "dp"):              # the last stage's share, summed over stages and replicas
+            if self.comms[axis].size > 1:
+                loss = self.comms[axis].all_reduce(loss, "loss")
+        loss = loss[0]
         self.last_timeline = run.timeline()
         self._steps += 1
         if self._dump and self._steps <= 2:   # the first step warms up; the second is drawn over it
@@ -281,6 +290,13 @@ class _Run:
         self.loss = torch.zeros((), dtype=torch.float32)
         self.param_inputs = {}       # stage -> the graph's parameter inputs (local, padded, cast), per step
         self.leaves = pm.params.step_leaves(list(pm.params.records))
+        dp = pm.comms["dp"]
+        self.reducer = GradReducer(dp, self.leaves, {c.index: c.param_names for c in prog.own}) \
+            if dp.size > 1 else None
+        self.last_backward = {}                # stage -> its last B action this step (the reducer arms there)
+        for a in prog.schedule.actions.get(self.me, []):
+            if a.kind is Kind.B:
+                self.last_backward[a.stage] = a
         self.param_storages = {t.untyped_storage().data_ptr() for t in self.leaves.values()} \
             if pm.measure_memory else set()
         self.spans, self.busy = [], 0.0
@@ -376,6 +392,8 @@ class _Run:
         chunk = self.chunks[a.stage]
         x, out, nbytes = self.saved.pop((a.stage, a.microbatch))
         grad = None if chunk.last else self._take(("B", a.stage, a.microbatch))
+        if self.reducer is not None and self.last_backward.get(a.stage) == a:
+            self.reducer.arm(a.stage)
         t0 = time.perf_counter() - self.start
         torch.autograd.backward(out, grad)
         self.held -= nbytes

@@ -1,0 +1,137 @@
+"""The data-parallel axis: each dp rank steps on its own slice of the global batch; gradients are summed
+over dp in buckets while the last microbatch's backward is still running.
+
+The loss each rank computes is already its share of the global mean (``sum / num_items``, with
+``num_items`` the count over the *global* batch, all-reduced over dp before the first forward), so the
+gradients are *summed* over dp, not averaged, and uneven ``ignore_index`` counts between dp ranks give
+the single-device gradients exactly.
+
+Reduction happens once per step: only during the last backward of each stage on this rank (the
+schedule says which action that is), as DDP's ``no_sync`` does for gradient accumulation. Buckets are
+fixed per stage (parameters in reverse graph order, up to ``bucket_bytes`` each) and launched strictly
+in order, so every dp rank issues the same all-reduces in the same order whatever order autograd
+finishes the gradients in. A hook on each parameter leaf counts a bucket down; when it is full, its
+gradients are flattened into one buffer and all-reduced asynchronously, and the rest of the backward
+runs meanwhile. ``finish`` waits and writes the sums back.
+
+Written here rather than with DDP's own reducer because the executor's parameters are per-step leaves
+feeding several stages' graphs (not one module's ``forward``), and DDP's communication hooks assume the
+latter; torch's ``_flatten_dense_tensors`` / ``_unflatten_dense_tensors`` do the bucket packing.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20   # DDP's default bucket_cap_mb
+
+
+@dataclass
+class Bucket:
+    names: list
+    pending: int = 0
+    stage: int = 0
+    flat: torch.Tensor | None = None
+    work: object = None
+
+
+@dataclass
+class GradReducer:
+    """Sums the step's parameter gradients over the dp group, overlapped with the last backward."""
+    comm: object                          # the dp AxisComm
+    leaves: dict                          # name -> the step's parameter leaf
+    stage_params: dict                    # stage -> parameter names its graph reads (this rank's stages)
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    buckets: list = field(default_factory=list)
+    armed: set = field(default_factory=set)
+    comm_seconds: float = 0.0             # time spent blocked on the all-reduces at the end (not hidden)
+
+    def __post_init__(self):
+        self._next, self._of = 0, {}
+        owner = {}      # a parameter two of this rank's stages read is final after the lower stage's backward
+        for stage in sorted(self.stage_params):
+            for name in self.stage_params[stage]:
+                owner.setdefault(name, stage)
+        for stage in sorted(self.stage_params, reverse=True):      # last stage's backward comes first
+            current, size = [], 0
+            for name in reversed(self.stage_params[stage]):          # reverse graph order: ready first
+                if owner[name] != stage or not self.leaves[name].requires_grad:
+                    continue
+                current.append(name)
+                size += self.leaves[name].numel() * self.leaves[name].element_size()
+                if size >= self.bucket_bytes:
+                    self._add(stage, current)
+                    current, size = [], 0
+            if current:
+                self._add(stage, current)
+        self._hooks = [self.leaves[n].register_post_accumulate_grad_hook(self._ready(n)) for n in self._of]
+
+    def _add(self, stage, names):
+        b = Bucket(list(names), len(names), stage)
+        for n in names:
+            self._of[n] = len(self.buckets)
+        self.buckets.append(b)
+
+    def arm(self, stage: int) -> None:
+        """The next backward of ``stage`` is its last in this step: its gradients are final after it."""
+        self.armed.add(stage)
+
+    def _ready(self, name):
+        def hook(leaf):
+            b = self.buckets[self._of[name]]
+            if b.stage not in self.armed:
+                return
+            b.pending -= 1
+            self._launch_ready()
+        return hook
+
+    def _launch_ready(self):
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            b = self.buckets[self._next]
+            grads = [self.leaves[n].grad for n in b.names]
+            b.flat = _flatten_dense_tensors(grads)
+            b.work = self.comm.all_reduce_async(b.flat, "bwd")
+            self._next += 1
+
+    def finish(self) -> None:
+        """Wait for every bucket (launching any whose gradients never all arrived: unused parameters get
+        zeros, as on every other dp rank) and write the sums back into the leaves' gradients."""
+        for b in self.buckets[self._next:]:
+            for n in b.names:
+                if self.leaves[n].grad is None:
+                    self.leaves[n].grad = torch.zeros_like(self.leaves[n])
+            b.pending = 0
+        self._launch_ready()
+        start = time.perf_counter()
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+            grads = [self.leaves[n].grad for n in b.names]
+            for g, summed in zip(grads, _unflatten_dense_tensors(b.flat, grads)):
+                g.copy_(summed)
+        self.comm_seconds = time.perf_counter() - start
+        for h in self._hooks:
+            h.remove()
+
+
+def local_batch(batch, mesh):
+    """This dp rank's rows (dim 0) of a global batch: tensors are cut into ``dp`` equal slices, in rank
+    order, as ``DistributedSampler`` would hand them out; other values pass through."""
+    import torch.distributed as dist
+
+    from autoshard.mesh import mesh_spec
+    spec = mesh_spec(mesh)
+    rank = spec.coords(dist.get_rank() if dist.is_initialized() else 0)["dp"]
+
+    def cut(x):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return x
+        if x.shape[0] % spec.dp:
+            raise ValueError(f"a global batch of {x.shape[0]} rows cannot be split over dp={spec.dp} ranks: use a "
+                             f"multiple of {spec.dp}")
+        n = x.shape[0] // spec.dp
+        return x[rank * n:(rank + 1) * n]
+    return torch.utils._pytree.tree_map(cut, batch)
