@@ -181,7 +181,7 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
                 loss_only: bool = False, dump: str | None = None, cost_model=None, disable=(),
                 mixed_precision: str | None = None, max_programs: int = 8, microbatches: int | None = None,
                 schedule: str = "1f1b", virtual_stages: int = 1, pipeline_cuts=None, memory_limit=None,
-                options: CompileOptions | None = None):
+                zero: int = 0, options: CompileOptions | None = None):
     """Tensor-parallel ``model`` over ``mesh["tp"]``: an ``nn.Module`` holding this rank's shards.
 
     ``example_args``/``example_kwargs`` are traced first; other shapes, and the other of train/eval
@@ -196,6 +196,9 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     it with ``pm.step(*batch)``, which splits the whole batch into ``microbatches`` and runs
     ``schedule`` ("gpipe", "1f1b" or "interleaved" with ``virtual_stages`` chunks per rank), with stages
     cut by the cost model or at ``pipeline_cuts`` (layer indices), within ``memory_limit`` bytes per rank.
+    With a ``dp`` axis each dp rank passes its own rows of the global batch (``autoshard.local_batch``)
+    and ``pm.step`` returns the global batch's loss; ``zero=1`` makes ``pm.optimizer(cls, ...)`` shard
+    the optimizer state over dp (ZeRO-1).
     """
     spec = mesh_spec(mesh)
     if options is None:
@@ -203,7 +206,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
                                  mixed_precision=mixed_precision)
         if cost_model is not None:
             options.cost_model = cost_model
-        options.pipeline = PipelineOptions(microbatches or 1, schedule, virtual_stages, pipeline_cuts, memory_limit)
+        options.pipeline = PipelineOptions(microbatches or 1, schedule, virtual_stages, pipeline_cuts, memory_limit,
+                                           zero)
     real_mesh = hasattr(mesh, "get_group")
     if spec.size > 1 and not real_mesh:
         raise ValueError("parallelize needs a DeviceMesh from autoshard.init_mesh for more than one rank; "

@@ -41,13 +41,15 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
     then the final parameters' error, and whether tied copies stayed bit-identical."""
     options = dict(options)
     clip = options.pop("clip", None)      # clip every step with pm.clip_grad_norm_ (the norm over all stages)
+    zero = options.get("zero", 0)         # ZeRO-1: pm.optimizer shards AdamW's state over dp
     model, vocab = build_model(kind, cfg)
     ref = copy.deepcopy(model)
     dp = mesh.get("dp", 1)            # each dp rank steps on its rows of a global batch of B * dp
     device_mesh = autoshard.init_mesh(**mesh)
     args, kwargs = ragged_batch(kind, vocab, B * dp, T, seed=1)
     pm = autoshard.parallelize(model, device_mesh, *autoshard.local_batch((args, kwargs), device_mesh), **options)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-4)
+    opt = pm.optimizer(torch.optim.AdamW, lr=1e-2, eps=1e-4) if zero else \
+        torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-4)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
     losses, grads, norms = [], [], []
     for step in range(steps):
@@ -81,7 +83,9 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
             torch.distributed.all_gather(every, local.contiguous(), group=pm.tie_groups[name])
             tied[name] = bool(torch.equal(every[0], every[1]))
     prog = pm.program
-    return dict(losses=losses, grads=grads, norms=norms, final=final, tied=tied, ties=prog.ties(), exact=prog.loss.exact,
+    state = opt.state_bytes() if zero else sum(v.numel() * v.element_size() for st in opt.state.values()
+                                               for v in st.values() if torch.is_tensor(v) and v.dim())
+    return dict(losses=losses, grads=grads, norms=norms, final=final, state_bytes=state, tied=tied, ties=prog.ties(), exact=prog.loss.exact,
                 stages=[c.index for c in prog.own])
 
 

@@ -33,6 +33,14 @@ FOUR_RANKS = [
 ]
 
 
+DATA_PARALLEL = [   # (dp, pp, tp) on 4 ranks; each dp rank steps on its own rows of the global batch
+    ("gpt", dict(dp=2, tp=2), dict(microbatches=2), dict(n_layer=2)),
+    ("gpt", dict(dp=2, pp=2), dict(microbatches=2, clip=0.05), GPT),
+    ("gpt", dict(dp=4), dict(microbatches=2), dict(n_layer=2)),
+    ("gpt", dict(dp=2, pp=2), dict(microbatches=2, zero=1), GPT),        # ZeRO-1 with the tied head on 2 stages
+]
+
+
 def _check(configs, results):
     for config, per_rank in zip(configs, zip(*results)):
         for r in per_rank:
@@ -91,3 +99,14 @@ def test_a_raising_rank_fails_the_others_within_the_timeout():
     assert kind0 == "PipelineError", msg0
     assert "global rank 1" in msg0
     assert t0 < timeout + 10
+
+
+def test_data_parallel_and_zero1():
+    """The global batch's loss and gradients with uneven ignore counts across dp ranks, then 3 AdamW
+    steps; ZeRO-1 ends at the same parameters as plain dp (both match the single-device model) while
+    each rank holds about half of AdamW's state."""
+    results = run_distributed(run_configs, 4, DATA_PARALLEL, timeout=600)
+    _check(DATA_PARALLEL, results)
+    for rank_results in results:
+        plain, zero = rank_results[1]["state_bytes"], rank_results[3]["state_bytes"]
+        assert 0 < zero <= 0.6 * plain, (zero, plain)

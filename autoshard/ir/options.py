@@ -75,8 +75,11 @@ class PipelineOptions:
     virtual_stages: int = 1
     cuts: tuple | None = None
     memory_limit: float | None = None
+    zero: int = 0                      # 1: pm.optimizer shards the optimizer state over dp (ZeRO-1)
 
     def __post_init__(self):
+        if self.zero not in (0, 1):
+            raise ValueError(f"zero={self.zero!r}: autoshard implements ZeRO stage 1 (zero=1) or none (zero=0)")
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"microbatches must be an int >= 1, got {self.microbatches!r}")
         if self.schedule not in SCHEDULES:

@@ -124,6 +124,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         self._dump = (out if program.rank == 0 else f"{out}/rank{program.rank}") if out else None
         self._steps = 0
         self.last_dp_wait = 0.0              # seconds the last step blocked on dp all-reduces after backward
+        self.zero = getattr(program.options.pipeline, "zero", 0)
         # count the bytes each microbatch's forward saves for backward (a saved_tensors_hooks callback per
         # saved tensor, a few percent of a step on CPU): on when dumping, or set it for a benchmark
         self.measure_memory = self._dump is not None
@@ -239,6 +240,17 @@ class PipelineModule(training.TrainingMethods, nn.Module):
             dist.all_reduce(g, group=group)
             if saved[name] is not None:
                 p.grad += saved[name]
+
+    def optimizer(self, optimizer_class, *, zero: int | None = None, **defaults):
+        """A torch optimizer over this rank's parameters. ``zero=1`` (default: ``parallelize(zero=...)``)
+        shards its state over the dp group (ZeRO-1, ``runtime/zero.py``)."""
+        zero = self.zero if zero is None else zero
+        if zero not in (0, 1):
+            raise ValueError(f"zero={zero!r}: autoshard implements ZeRO stage 1 (zero=1) or none (zero=0)")
+        if zero == 1:
+            from autoshard.runtime.zero import ZeroOptimizer
+            return ZeroOptimizer(self, optimizer_class, **defaults)
+        return optimizer_class(self.parameters(), **defaults)
 
     # --- state -------------------------------------------------------------------------------------------------
     @torch.no_grad()
