@@ -11,6 +11,7 @@
 docs/architecture.md describes the data flow and where each concern lives.
 """
 from autoshard.api import compile_pipeline, compile_rank, parallelize
+from autoshard.checkpoint import load, save
 from autoshard.ir import (CompileOptions, CostModel, DistSpec, MeshSpec, Partial, Program, Replicate, Shard)
 from autoshard.launcher import RankError, launch
 from autoshard.mesh import init_mesh
@@ -20,5 +21,5 @@ from autoshard.runtime.module import ParallelModule
 from autoshard.runtime.pipeline import PipelineError, PipelineModule
 
 __all__ = ["init_mesh", "parallelize", "compile_rank", "compile_pipeline", "PipelineModule", "PipelineOptions",
-           "PipelineError", "local_batch", "launch", "RankError", "Program", "ParallelModule", "CompileOptions",
+           "PipelineError", "local_batch", "save", "load", "launch", "RankError", "Program", "ParallelModule", "CompileOptions",
            "MeshSpec", "CostModel", "DistSpec", "Shard", "Replicate", "Partial"]

@@ -1,0 +1,144 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP): ``autoshard.save`` / ``autoshard.load``.
+
+Every rank writes its own shards: the parameters as the DTensors ``pm.state_dict()`` shows (original
+names, global shapes), and the optimizer state keyed by parameter *name* (not torch's integer ids), its
+tensors DTensors with their parameter's placement. DCP records each shard's place in the global
+tensor, so a checkpoint loads on another mesh (another tp, pp or dp size): each rank asks for what it
+now holds and DCP reads and reshards it. Non-tensor facts (the step, the optimizer's hyper-parameters,
+the mesh) go to ``meta.json``, and each rank's RNG state to ``rng/rank<N>.pt`` as a plain tensor, read
+back with ``weights_only=True``: loading unpickles nothing.
+
+A save is written to ``<path>.partial`` and renamed to ``<path>`` by rank 0 after every rank has
+finished, with ``meta.json`` written last: a directory without it (an interrupted save) is refused.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+FORMAT = 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _named(pm, optimizer) -> list:
+    """``[(name, parameter)]`` the optimizer updates on this rank (all of pm's, or a ZeRO-1 share)."""
+    inner = getattr(optimizer, "inner", optimizer)
+    by_id = {id(p): n for n, p in pm.local_parameters().items()}
+    return [(by_id[id(p)], p) for g in inner.param_groups for p in g["params"] if id(p) in by_id]
+
+
+def _optim_state(pm, optimizer) -> dict:
+    """``{"<param>.<key>": tensor}``: each parameter's optimizer state under its name. A state tensor
+    shaped like its parameter is shown as the parameter is (``checkpoint_view``: a strided shard as an
+    even one), so DCP can reshard it."""
+    inner = getattr(optimizer, "inner", optimizer)
+    out = {}
+    for name, p in _named(pm, optimizer):
+        for key, value in inner.state.get(p, {}).items():
+            if torch.is_tensor(value):
+                if value.dim() and value.shape == p.shape:
+                    value = pm.params.checkpoint_view(name, value)
+                out[f"{name}.{key}"] = value
+    return out
+
+
+def _init_state(pm, optimizer) -> None:
+    """Give every parameter its optimizer state (Adam's moments are made on the first step), with a step
+    at lr 0 on zero gradients, as ``torch.distributed.checkpoint.state_dict`` does; nothing moves."""
+    inner = getattr(optimizer, "inner", optimizer)
+    named = _named(pm, optimizer)
+    if all(p in inner.state for _, p in named):
+        return
+    saved_grads = {n: p.grad for n, p in named}
+    lrs = [g["lr"] for g in inner.param_groups]
+    for _, p in named:
+        p.grad = torch.zeros_like(p)
+    for g in inner.param_groups:
+        g["lr"] = 0.0
+    inner.step()
+    for g, lr in zip(inner.param_groups, lrs):
+        g["lr"] = lr
+    for n, p in named:
+        p.grad = saved_grads[n]
+
+
+def _hyper(optimizer) -> list:
+    inner = getattr(optimizer, "inner", optimizer)
+    return [{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, bool, str, list, tuple))
+             and not torch.is_tensor(v)} for g in inner.param_groups]
+
+
+def save(pm, optimizer, path: str, step: int | None = None) -> str:
+    """Write a sharded checkpoint of ``pm`` and ``optimizer`` (may be None) to ``path``; every rank calls
+    it. Returns the path."""
+    tmp = f"{path}.partial"
+    if _rank() == 0 and os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    _barrier()
+    state = {"model": pm.state_dict()}
+    if optimizer is not None:
+        state["optim"] = _optim_state(pm, optimizer)
+    dcp.save(state, checkpoint_id=tmp)
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+    torch.save(torch.get_rng_state(), os.path.join(tmp, "rng", f"rank{_rank()}.pt"))
+    _barrier()
+    if _rank() == 0:
+        prog = pm.program
+        meta = {"format": FORMAT, "step": step, "mesh": {a: prog.mesh.axis_size(a) for a in ("dp", "pp", "tp")},
+                "optimizer": type(getattr(optimizer, "inner", optimizer)).__name__ if optimizer is not None else None,
+                "param_groups": _hyper(optimizer) if optimizer is not None else []}
+        with open(os.path.join(tmp, "meta.json"), "w") as f:   # last: its presence marks a whole checkpoint
+            json.dump(meta, f, indent=1)
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    _barrier()
+    return path
+
+
+def load(pm, optimizer, path: str) -> int | None:
+    """Load a checkpoint written by ``save`` (on this mesh or another) into ``pm`` and ``optimizer``;
+    every rank calls it. Returns the saved step."""
+    meta_path = os.path.join(path, "meta.json")
+    if not os.path.exists(meta_path):
+        raise FileNotFoundError(f"{path} is not a complete autoshard checkpoint (no meta.json): the save that wrote "
+                                "it did not finish; use an earlier checkpoint")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: checkpoint format {meta.get('format')}, this autoshard reads {FORMAT}")
+    state = {"model": pm.state_dict()}
+    if optimizer is not None:
+        _init_state(pm, optimizer)
+        state["optim"] = _optim_state(pm, optimizer)
+    dcp.load(state, checkpoint_id=path)
+    pm.load_state_dict(state["model"])
+    if optimizer is not None:
+        inner = getattr(optimizer, "inner", optimizer)
+        with torch.no_grad():
+            for name, p in _named(pm, optimizer):
+                for key, value in inner.state.get(p, {}).items():
+                    if torch.is_tensor(value):
+                        loaded = state["optim"][f"{name}.{key}"]
+                        if value.dim() and value.shape == p.shape:
+                            loaded = pm.params.from_checkpoint_view(name, loaded)
+                        value.copy_(loaded)
+        for g, saved in zip(inner.param_groups, meta.get("param_groups", [])):
+            g.update({k: tuple(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()})
+    rng = os.path.join(path, "rng", f"rank{_rank()}.pt")
+    if os.path.exists(rng) and meta.get("mesh") == {a: pm.program.mesh.axis_size(a) for a in ("dp", "pp", "tp")}:
+        torch.set_rng_state(torch.load(rng, weights_only=True))
+    return meta.get("step")
