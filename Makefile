@@ -2,7 +2,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo demo-pp test bench bench-pp clean
+.PHONY: venv demo demo-tp demo-pp test bench bench-pp clean
 
 venv: $(VENV)/.installed
 
@@ -19,7 +19,12 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 	$(BIN)/pip install -e '.[bench]'
 	touch $@
 
+# the whole mesh: dp=2 x pp=2 (x tp=1) over 4 CPU processes, ZeRO-1, a checkpoint halfway
 demo: venv
+	$(BIN)/torchrun --standalone --nproc_per_node=4 -m autoshard.demo --dp 2 --pp 2 --zero 1 --save autoshard_checkpoint
+
+# tensor parallelism alone: tp=2 over 2 CPU processes
+demo-tp: venv
 	$(BIN)/torchrun --standalone --nproc_per_node=2 -m autoshard.demo
 
 # the pipeline on a 2 x 2 mesh: 2 stages, each tensor-parallel over 2 ranks (4 CPU processes)
@@ -36,5 +41,5 @@ bench-pp: venv
 	$(BIN)/python -m benchmarks.pp
 
 clean:
-	rm -rf build/ *.egg-info/ .pytest_cache/ dumps/ autoshard_dump/ benchmarks/out/
+	rm -rf build/ *.egg-info/ .pytest_cache/ dumps/ autoshard_dump/ autoshard_checkpoint/ benchmarks/out/
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +

@@ -2,9 +2,12 @@
 
     torchrun --standalone --nproc_per_node=2 -m autoshard.demo [--steps 40] [--dump autoshard_dump]
     torchrun --standalone --nproc_per_node=4 -m autoshard.demo --pp 2 --tp 2 [--microbatches 4]
+    torchrun --standalone --nproc_per_node=4 -m autoshard.demo --dp 2 --pp 2 --zero 1 [--save ckpt]
 
 With ``--pp`` the model is cut into pipeline stages and each step runs ``pm.step`` over microbatches
-(``--schedule 1f1b|gpipe|interleaved``); the tp size is the rest of the world (``WORLD_SIZE / pp``).
+(``--schedule 1f1b|gpipe|interleaved``); with ``--dp`` each data-parallel rank steps on its rows of the
+global batch (``--zero 1`` shards AdamW's state over dp). The tp size is the rest of the world
+(``WORLD_SIZE / (dp * pp)``). With ``--save`` a checkpoint is written halfway.
 
 Every rank trains the tensor-parallel program; rank 0 also trains the single-device model from the
 same weights on the same batches and prints both losses side by side, so the equality is visible.
@@ -41,12 +44,15 @@ def main(argv=None):
     ap.add_argument("--microbatches", type=int, default=4, help="microbatches per step when --pp > 1")
     ap.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
     ap.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    ap.add_argument("--zero", type=int, default=0, choices=[0, 1], help="1: ZeRO-1 over dp")
+    ap.add_argument("--save", default=None, help="write a checkpoint here halfway (autoshard.save)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(1)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    tp = args.tp or max(1, world_size // args.pp)
-    mesh = autoshard.init_mesh(tp=tp, pp=args.pp)
+    tp = args.tp or max(1, world_size // (args.pp * args.dp))
+    mesh = autoshard.init_mesh(tp=tp, pp=args.pp, dp=args.dp)
     rank = dist.get_rank()
     text = load_text()
     chars = sorted(set(text))
@@ -66,16 +72,18 @@ def main(argv=None):
 
     x, y = get_batch()
     start = time.perf_counter()
-    pipelined = args.pp > 1
-    extra = dict(microbatches=args.microbatches, schedule=args.schedule,
-                 virtual_stages=args.virtual_stages) if pipelined else {}
-    pm = autoshard.parallelize(model, mesh, example_args=(x, y), loss_only=True, dump=args.dump, **extra)
+    pipelined = args.pp > 1 or args.dp > 1
+    extra = dict(microbatches=args.microbatches, schedule=args.schedule, virtual_stages=args.virtual_stages,
+                 zero=args.zero) if pipelined else {}
+    pm = autoshard.parallelize(model, mesh, example_args=autoshard.local_batch((x, y), mesh), loss_only=True,
+                               dump=args.dump, **extra)
     compile_s = time.perf_counter() - start
-    opt = torch.optim.AdamW(pm.parameters(), lr=3e-3)
+    opt = pm.optimizer(torch.optim.AdamW, lr=3e-3) if pipelined else torch.optim.AdamW(pm.parameters(), lr=3e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3) if ref is not None else None
     if rank == 0:
         print(f"autoshard: {cfg.n_layer}-layer GPT ({sum(p.numel() for p in model.parameters()):,} parameters, "
-              f"vocab {cfg.vocab_size}) over pp={args.pp} x tp={tp} gloo ranks; compiled in {compile_s:.2f} s")
+              f"vocab {cfg.vocab_size}) over dp={args.dp} x pp={args.pp} x tp={tp} gloo ranks"
+              f"{' with ZeRO-1' if args.zero else ''}; compiled in {compile_s:.2f} s")
         if pipelined:
             print(f"pipeline: {args.schedule}, {args.microbatches} microbatches; stages hold layers "
                   + ", ".join(str(list(c.layers)) for c in pm.program.plan.costs))
@@ -87,7 +95,7 @@ def main(argv=None):
         if step:
             x, y = get_batch()
         if pipelined:
-            loss = pm.step(x, y)              # forward + backward over the microbatches
+            loss = pm.step(*autoshard.local_batch((x, y), mesh))   # this dp rank's rows; the global loss
         else:
             _, loss = pm(x, y)
             loss.backward()
@@ -100,6 +108,11 @@ def main(argv=None):
             ref_opt.zero_grad(set_to_none=True)
             tqdm.write(f"{step:5d} {loss.item():15.6f} {rloss.item():14.6f} {abs(loss.item() - rloss.item()):9.2e}")
             # (the gap grows slowly: Adam turns fp32 rounding differences into step-sized updates)
+        if args.save and step + 1 == args.steps // 2:
+            autoshard.save(pm, opt, args.save, step=step + 1)   # every rank writes its own shards
+            if rank == 0:
+                tqdm.write(f"      checkpoint of step {step + 1} written to {os.path.abspath(args.save)}/ "
+                           "(autoshard.load(pm, opt, path) resumes it, on this mesh or another)")
     calls = sum(pm.comm_counts()[0].values()) // max(args.steps, 1)
     state = pm.full_state_dict()  # collective: every rank takes part
     if rank == 0:
@@ -111,7 +124,7 @@ def main(argv=None):
                 logits, _ = single(idx[:, -cfg.block_size:])
                 nxt = torch.multinomial(torch.softmax(logits[:, -1], -1), 1, generator=gen)
                 idx = torch.cat([idx, nxt], 1)
-        print(f"\n{calls} collectives per step (tp and pp groups); sample from the gathered weights:")
+        print(f"\n{calls} collectives per step (tp, pp and dp groups); sample from the gathered weights:")
         print("".join(chars[i] for i in idx[0].tolist()))
         print(f"\npass dumps and plan.md written to {os.path.abspath(args.dump)}/ (other ranks in rank<N>/)"
               + ("; pipeline.md has the stages, the schedule and the timelines" if pipelined else ""))

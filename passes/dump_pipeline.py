@@ -65,6 +65,14 @@ def write_pipeline(prog, out: str) -> None:
     ties = prog.ties()
     L += ["", "Tied across pipeline ranks (gradients summed between the copies after the last backward): "
           + (", ".join(f"`{n}` on ranks {r}" for n, r in ties.items()) or "none"), ""]
+    own = sum(r.nbytes for r in prog.params)
+    dp = prog.mesh.dp
+    L += ["## Memory per rank (this rank's stages)", "",
+          "| | parameters | gradients | AdamW state (2 moments) | total |", "|---|---|---|---|---|",
+          f"| without ZeRO | {_mib(own)} | {_mib(own)} | {_mib(2 * own)} | {_mib(4 * own)} |",
+          f"| ZeRO-1 over dp={dp} | {_mib(own)} | {_mib(own)} | {_mib(2 * own / dp)} (about: whole tensors are "
+          f"partitioned) | {_mib(2 * own + 2 * own / dp)} |", "",
+          "Plus the activations in flight (the stage table above, times the microbatches the schedule keeps).", ""]
     L += ["## Loss over microbatches", "",
           ("Exact: " if loss.exact else "Fallback, the mean of microbatch means (wrong when microbatches hold "
            "different numbers of targets): ") + loss.reason, ""]
