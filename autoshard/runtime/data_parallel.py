@@ -16,7 +16,8 @@ runs meanwhile. ``finish`` waits and writes the sums back.
 
 Written here rather than with DDP's own reducer because the executor's parameters are per-step leaves
 feeding several stages' graphs (not one module's ``forward``), and DDP's communication hooks assume the
-latter; torch's ``_flatten_dense_tensors`` / ``_unflatten_dense_tensors`` do the bucket packing.
+latter. As in DDP with ``gradient_as_bucket_view``, each gradient is a view of its bucket, so the
+all-reduce needs no packing copies.
 """
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20   # DDP's default bucket_cap_mb
+# Smaller than DDP's 25 MiB: a bucket launches only when all its gradients are ready, and on the models
+# measured (benchmarks/dp.py, 10 MiB of gradients) 2 MiB hid 85% of the all-reduce behind backward where
+# 25 MiB (one bucket) hid none. ``pm.bucket_bytes`` changes it.
+DEFAULT_BUCKET_BYTES = 2 * 2**20
 
 
 @dataclass
@@ -56,17 +59,27 @@ class GradReducer:
             for name in self.stage_params[stage]:
                 owner.setdefault(name, stage)
         for stage in sorted(self.stage_params, reverse=True):      # last stage's backward comes first
-            current, size = [], 0
+            current, size, dtype = [], 0, None
             for name in reversed(self.stage_params[stage]):          # reverse graph order: ready first
-                if owner[name] != stage or not self.leaves[name].requires_grad:
+                leaf = self.leaves[name]
+                if owner[name] != stage or not leaf.requires_grad:
                     continue
-                current.append(name)
-                size += self.leaves[name].numel() * self.leaves[name].element_size()
-                if size >= self.bucket_bytes:
+                if current and (size >= self.bucket_bytes or leaf.dtype != dtype):
                     self._add(stage, current)
                     current, size = [], 0
+                current.append(name)
+                size, dtype = size + leaf.numel() * leaf.element_size(), leaf.dtype
             if current:
                 self._add(stage, current)
+        # Each leaf's gradient is a view into its bucket's flat buffer (DDP's gradient_as_bucket_view):
+        # autograd accumulates into it in place, and the all-reduce runs on the buffer with no copies.
+        for b in self.buckets:
+            leaves = [self.leaves[n] for n in b.names]
+            b.flat = torch.zeros(sum(t.numel() for t in leaves), dtype=leaves[0].dtype, device=leaves[0].device)
+            offset = 0
+            for t in leaves:
+                t.grad = b.flat[offset:offset + t.numel()].view_as(t)
+                offset += t.numel()
         self._hooks = [self.leaves[n].register_post_accumulate_grad_hook(self._ready(n)) for n in self._of]
 
     def _add(self, stage, names):
@@ -91,27 +104,35 @@ class GradReducer:
     def _launch_ready(self):
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             b = self.buckets[self._next]
-            grads = [self.leaves[n].grad for n in b.names]
-            b.flat = _flatten_dense_tensors(grads)
+            for n in b.names:   # a gradient autograd replaced instead of accumulating in place: copy it in
+                if self.leaves[n].grad.data_ptr() != self._view_ptr(b, n):
+                    self._view(b, n).copy_(self.leaves[n].grad)
+                    self.leaves[n].grad = self._view(b, n)
             b.work = self.comm.all_reduce_async(b.flat, "bwd")
             self._next += 1
 
+    def _view(self, b, name):
+        offset = 0
+        for n in b.names:
+            t = self.leaves[n]
+            if n == name:
+                return b.flat[offset:offset + t.numel()].view_as(t)
+            offset += t.numel()
+        raise KeyError(name)
+
+    def _view_ptr(self, b, name):
+        return self._view(b, name).data_ptr()
+
     def finish(self) -> None:
-        """Wait for every bucket (launching any whose gradients never all arrived: unused parameters get
-        zeros, as on every other dp rank) and write the sums back into the leaves' gradients."""
+        """Wait for every bucket (launching any whose gradients never all arrived: unused parameters keep
+        their zeros, as on every other dp rank); the leaves' gradients are views of the summed buffers."""
         for b in self.buckets[self._next:]:
-            for n in b.names:
-                if self.leaves[n].grad is None:
-                    self.leaves[n].grad = torch.zeros_like(self.leaves[n])
             b.pending = 0
         self._launch_ready()
         start = time.perf_counter()
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
-            grads = [self.leaves[n].grad for n in b.names]
-            for g, summed in zip(grads, _unflatten_dense_tensors(b.flat, grads)):
-                g.copy_(summed)
         self.comm_seconds = time.perf_counter() - start
         for h in self._hooks:
             h.remove()

@@ -40,7 +40,7 @@ from autoshard.ir.simulator import Span, Timeline
 from autoshard.runtime import training
 from autoshard.runtime.bind import bind
 from autoshard.runtime.comm import AxisComm
-from autoshard.runtime.data_parallel import GradReducer
+from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer
 from autoshard.runtime.module import _load_state_dict_names, _state_dict_names
 from autoshard.runtime.params import ShardedParameters
 
@@ -125,6 +125,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         self._steps = 0
         self.last_dp_wait = 0.0              # seconds the last step blocked on dp all-reduces after backward
         self.zero = getattr(program.options.pipeline, "zero", 0)
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES   # dp gradient buckets (DDP's bucket_cap_mb)
         # count the bytes each microbatch's forward saves for backward (a saved_tensors_hooks callback per
         # saved tensor, a few percent of a step on CPU): on when dumping, or set it for a benchmark
         self.measure_memory = self._dump is not None
@@ -303,8 +304,8 @@ class _Run:
         self.param_inputs = {}       # stage -> the graph's parameter inputs (local, padded, cast), per step
         self.leaves = pm.params.step_leaves(list(pm.params.records))
         dp = pm.comms["dp"]
-        self.reducer = GradReducer(dp, self.leaves, {c.index: c.param_names for c in prog.own}) \
-            if dp.size > 1 else None
+        self.reducer = GradReducer(dp, self.leaves, {c.index: c.param_names for c in prog.own},
+                                   pm.bucket_bytes) if dp.size > 1 else None
         self.last_backward = {}                # stage -> its last B action this step (the reducer arms there)
         for a in prog.schedule.actions.get(self.me, []):
             if a.kind is Kind.B:
