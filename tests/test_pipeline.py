@@ -8,6 +8,8 @@ configurations share one process group per world size, to keep ``make test`` sho
 import os
 import time
 
+import pytest
+
 
 from tests.distributed import run_distributed
 from tests.pipeline_checks import run_configs
@@ -110,3 +112,43 @@ def test_data_parallel_and_zero1():
     for rank_results in results:
         plain, zero = rank_results[1]["state_bytes"], rank_results[3]["state_bytes"]
         assert 0 < zero <= 0.6 * plain, (zero, plain)
+
+
+def _dying_rank(rank, world, out_dir):
+    """Rank 1 dies (os._exit) in its second forward; rank 0, waiting on its transfer, must fail with an
+    error naming rank 1 (written to a file: the launcher kills the job soon after a rank dies)."""
+    import autoshard
+    from tests.models import batch, build
+    args, _ = batch("gpt", 96, B=4)
+    pm = autoshard.parallelize(build("gpt", n_layer=2), autoshard.init_mesh(pp=2), args, microbatches=4)
+    if rank == 1:
+        graph, calls = pm.graphs["1"], []
+
+        def dies(*xs):
+            calls.append(1)
+            if len(calls) == 2:
+                os._exit(7)
+            return graph(*xs)
+        pm.graphs["1"].forward = dies
+    start = time.monotonic()
+    try:
+        pm.step(*args)
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(f"{time.monotonic() - start:.3f}\n{type(e).__name__}: {e}")
+        raise
+
+
+def test_a_dead_rank_fails_its_peer_promptly(tmp_path):
+    with pytest.raises(AssertionError, match="rank 0 failed"):     # both ranks fail: 1 died, 0 raised
+        run_distributed(_dying_rank, 2, str(tmp_path), timeout=120)
+    seconds, message = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert message.startswith("PipelineError") and "global rank 1" in message
+    assert float(seconds) < 30
+
+
+@pytest.mark.slow
+def test_full_mesh_eight_ranks():
+    """(dp, pp, tp) = (2, 2, 2) with ZeRO-1 and the tied head: 8 processes, so marked slow on 2 cores."""
+    configs = [("gpt", dict(dp=2, pp=2, tp=2), dict(microbatches=2, zero=1, clip=0.05), GPT)]
+    _check(configs, run_distributed(run_configs, 8, configs, timeout=900))

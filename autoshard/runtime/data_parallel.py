@@ -131,8 +131,15 @@ class GradReducer:
         self._launch_ready()
         start = time.perf_counter()
         for b in self.buckets:
-            if b.work is not None:
+            if b.work is None:
+                continue
+            try:
                 b.work.wait()
+            except Exception as e:  # noqa: BLE001 - name the group, whatever the backend raised
+                raise RuntimeError(f"the data-parallel gradient all-reduce (dp group of {self.comm.size} ranks, "
+                                   f"this rank {self.comm.rank} in it) failed: {type(e).__name__}: "
+                                   f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. A dp peer probably "
+                                   "raised or died: see its error") from e
         self.comm_seconds = time.perf_counter() - start
         for h in self._hooks:
             h.remove()
