@@ -67,10 +67,8 @@ def test_pipeline_parity_four_ranks():
     _check(FOUR_RANKS, results)
 
 
-def _raising_rank(rank, world, timeout):
-    """Rank 1 raises in its second forward and then stays alive (holding its connections): rank 0 must
-    not hang on its receive, but fail within AUTOSHARD_TIMEOUT with an error naming rank 1."""
-    os.environ["AUTOSHARD_TIMEOUT"] = str(timeout)
+def _two_stage_pipeline(rank, fail):
+    """A 2-stage pipeline whose stage 1 (on rank 1) calls ``fail()`` in its second forward."""
     import autoshard
     from tests.models import batch, build
     args, _ = batch("gpt", 96, B=4)
@@ -81,9 +79,21 @@ def _raising_rank(rank, world, timeout):
         def broken(*xs):
             calls.append(1)
             if len(calls) == 2:
-                raise RuntimeError("injected failure in stage 1")
+                fail()
             return graph(*xs)
         pm.graphs["1"].forward = broken
+    return pm, args
+
+
+def _raise():
+    raise RuntimeError("injected failure in stage 1")
+
+
+def _raising_rank(rank, world, timeout):
+    """Rank 1 raises in its second forward and then stays alive (holding its connections): rank 0 must
+    not hang on its receive, but fail within AUTOSHARD_TIMEOUT with an error naming rank 1."""
+    os.environ["AUTOSHARD_TIMEOUT"] = str(timeout)
+    pm, args = _two_stage_pipeline(rank, _raise)
     start = time.monotonic()
     try:
         pm.step(*args)
@@ -117,19 +127,7 @@ def test_data_parallel_and_zero1():
 def _dying_rank(rank, world, out_dir):
     """Rank 1 dies (os._exit) in its second forward; rank 0, waiting on its transfer, must fail with an
     error naming rank 1 (written to a file: the launcher kills the job soon after a rank dies)."""
-    import autoshard
-    from tests.models import batch, build
-    args, _ = batch("gpt", 96, B=4)
-    pm = autoshard.parallelize(build("gpt", n_layer=2), autoshard.init_mesh(pp=2), args, microbatches=4)
-    if rank == 1:
-        graph, calls = pm.graphs["1"], []
-
-        def dies(*xs):
-            calls.append(1)
-            if len(calls) == 2:
-                os._exit(7)
-            return graph(*xs)
-        pm.graphs["1"].forward = dies
+    pm, args = _two_stage_pipeline(rank, lambda: os._exit(7))
     start = time.monotonic()
     try:
         pm.step(*args)
