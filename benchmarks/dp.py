@@ -58,7 +58,7 @@ def _rank(rank, world, job):
     if abs(check[0] - check[1]) > 1e-5 * abs(check[1]):
         raise RuntimeError(f"global losses differ: autoshard {check[0]} vs DDP {check[1]}")
     times, hidden = {"autoshard": [], "ddp": []}, []
-    stepper = pm if not hasattr(pm, "_stepper") else pm._stepper
+    stepper = pm if not hasattr(pm, "_stepper") else pm._stepper   # pp = dp = 1: ParallelModule.step
     for step in range(job["warmup"] + job["steps"]):
         for name, fn in (("autoshard", ours), ("ddp", theirs)):
             _, t = _timed_step(fn)
@@ -75,8 +75,24 @@ def _rank(rank, world, job):
                 hidden.append(max(0.0, 1 - blocked / alone) if alone > 0 else 0.0)
         clear()
     nbytes = sum(p.numel() * 4 for p in model.parameters())
+    # ZeRO-1: AdamW state bytes this rank holds after one step, plain and sharded (predicted: 2 x the
+    # parameter bytes, divided by dp when sharded)
+    state = {}
+    for zero in (0, 1):
+        opt = stepper.optimizer(torch.optim.AdamW, zero=zero, lr=1e-3) if hasattr(stepper, "optimizer") else \
+            torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        ours()
+        opt.step()
+        clear()
+        inner = getattr(opt, "inner", opt)
+        held = sum(v.numel() * v.element_size() for st in inner.state.values() for v in st.values()
+                   if torch.is_tensor(v) and v.dim())
+        t = torch.tensor([float(held)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        state[zero] = float(t)
     return dict(dp=world, ours=statistics.median(times["autoshard"]), ddp=statistics.median(times["ddp"]),
-                hidden=statistics.median(hidden) if hidden else None, grad_bytes=nbytes, loss=check)
+                hidden=statistics.median(hidden) if hidden else None, grad_bytes=nbytes, loss=check,
+                state_plain=state[0], state_zero=state[1], predicted_plain=2 * nbytes, predicted_zero=2 * nbytes / world)
 
 
 def main(argv=None):
@@ -102,12 +118,14 @@ def main(argv=None):
               + (f", all-reduce hidden behind backward {r['hidden']:.0%}" if r["hidden"] is not None else ""),
               flush=True)
     L = ["# Data parallel against DDP", "", f"Config: {job}", "",
-         "| dp | autoshard ms | DDP ms | ratio | dp all-reduce hidden behind backward | gradient MiB all-reduced |",
-         "|---|---|---|---|---|---|"]
+         "| dp | autoshard ms | DDP ms | ratio | dp all-reduce hidden behind backward | gradient MiB all-reduced | "
+         "AdamW state MiB per rank: plain / ZeRO-1 (predicted) |",
+         "|---|---|---|---|---|---|---|"]
     for r in rows:
         hid = f"{r['hidden']:.0%}" if r["hidden"] is not None else "-"
         L.append(f"| {r['dp']} | {r['ours'] * 1e3:.1f} | {r['ddp'] * 1e3:.1f} | {r['ours'] / r['ddp']:.3f} | {hid} | "
-                 f"{r['grad_bytes'] / 2**20:.1f} |")
+                 f"{r['grad_bytes'] / 2**20:.1f} | {r['state_plain'] / 2**20:.1f} / {r['state_zero'] / 2**20:.1f} "
+                 f"({r['predicted_plain'] / 2**20:.1f} / {r['predicted_zero'] / 2**20:.1f}) |")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "dp_results.json"), "w") as f:
         json.dump({"config": job, "rows": rows}, f, indent=1)

@@ -73,12 +73,13 @@ class GradReducer:
                 self._add(stage, current)
         # Each leaf's gradient is a view into its bucket's flat buffer (DDP's gradient_as_bucket_view):
         # autograd accumulates into it in place, and the all-reduce runs on the buffer with no copies.
+        self._views = {}
         for b in self.buckets:
             leaves = [self.leaves[n] for n in b.names]
             b.flat = torch.zeros(sum(t.numel() for t in leaves), dtype=leaves[0].dtype, device=leaves[0].device)
             offset = 0
-            for t in leaves:
-                t.grad = b.flat[offset:offset + t.numel()].view_as(t)
+            for n, t in zip(b.names, leaves):
+                self._views[n] = t.grad = b.flat[offset:offset + t.numel()].view_as(t)
                 offset += t.numel()
         self._hooks = [self.leaves[n].register_post_accumulate_grad_hook(self._ready(n)) for n in self._of]
 
@@ -105,23 +106,11 @@ class GradReducer:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
             b = self.buckets[self._next]
             for n in b.names:   # a gradient autograd replaced instead of accumulating in place: copy it in
-                if self.leaves[n].grad.data_ptr() != self._view_ptr(b, n):
-                    self._view(b, n).copy_(self.leaves[n].grad)
-                    self.leaves[n].grad = self._view(b, n)
+                if self.leaves[n].grad is not self._views[n]:
+                    self._views[n].copy_(self.leaves[n].grad)
+                    self.leaves[n].grad = self._views[n]
             b.work = self.comm.all_reduce_async(b.flat, "bwd")
             self._next += 1
-
-    def _view(self, b, name):
-        offset = 0
-        for n in b.names:
-            t = self.leaves[n]
-            if n == name:
-                return b.flat[offset:offset + t.numel()].view_as(t)
-            offset += t.numel()
-        raise KeyError(name)
-
-    def _view_ptr(self, b, name):
-        return self._view(b, name).data_ptr()
 
     def finish(self) -> None:
         """Wait for every bucket (launching any whose gradients never all arrived: unused parameters keep
