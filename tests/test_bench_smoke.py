@@ -52,3 +52,17 @@ def test_loss_check_catches_a_wrong_program():
     msg = bench.check_losses(bad)
     assert msg and "autoshard on rank 1" in msg
     assert "nan" in bench.check_losses([{"single_1t": 4.0, "dtensor": float("nan")}])
+
+
+def test_pipeline_and_data_parallel_bench_smoke(tmp_path):
+    """``benchmarks.pp`` (its torch comparison, which checks the losses agree first) and ``benchmarks.dp``
+    at a tiny size: the one-command benchmarks keep running."""
+    from benchmarks import dp as dp_bench
+    from benchmarks import pp as pp_bench
+    res = pp_bench.main(["--only", "torch", "--steps", "1", "--warmup", "0", "--hidden", "32", "--seq", "8",
+                         "--batch", "4", "--m", "4", "--vocab", "64", "--out", str(tmp_path)])
+    assert [r["v"] for r in res["torch"]] == [1, 2]
+    assert all(abs(r["loss"] - r["torch_loss"]) <= 1e-5 * abs(r["torch_loss"]) for r in res["torch"])
+    dp_bench.main(["--dp", "2", "--steps", "1", "--warmup", "0", "--layers", "2", "--hidden", "32", "--seq", "8",
+                   "--batch", "2", "--vocab", "64", "--out", str(tmp_path)])
+    assert (tmp_path / "dp_results.md").read_text().count("| 2 |") == 1
