@@ -65,7 +65,7 @@ PASSES = [
     Pass("check_heads", check_heads_pass, "heads tp does not divide are an error before any work is done"),
     Pass("loss_only", loss_only_pass, "drop outputs before planning, so nothing is priced for gathering them"),
     Pass("microbatch_loss", microbatch_loss_pass,
-         "pm.step: the mean cross-entropy as sum / num_items, exact over microbatches with ignore_index"),
+         "pm.step: the mean cross-entropy as a sum, divided by the global count at run time (exact with ignore_index)"),
     Pass("pipeline_split", pipeline_split_pass,
          "pm.step: cut where only the residual stream crosses, balanced by cost (plan.md: Pipeline)",
          requires=(M.KIND, M.NAME)),

@@ -1,18 +1,19 @@
 """The loss of a whole batch from microbatches: the mean cross-entropy rewritten as a sum and a count.
 
-A microbatched step (``pm.step``: gradient accumulation, a pipeline) must give the single-device loss
-and gradients on the whole batch. Averaging microbatch means is wrong when microbatches hold different
-numbers of non-ignored targets (``ignore_index``): the bug HF ``transformers`` shipped in 2024. So the
-mean ``cross_entropy_loss`` the model returns becomes ``sum / num_items``, where ``num_items`` is a new
-graph input: the count of non-ignored targets over the *whole* batch. Summing the microbatch losses
-then gives the exact mean, and so do the gradients.
+A microbatched step (``pm.step``: gradient accumulation, a pipeline, data parallelism) must give the
+single-device loss and gradients on the whole batch. Averaging microbatch means is wrong when
+microbatches hold different numbers of non-ignored targets (``ignore_index``): the bug HF
+``transformers`` shipped in 2024. So the mean ``cross_entropy_loss`` the model returns becomes a *sum*
+over the microbatch, and the runtime divides by ``num_items``, the count of non-ignored targets over the
+whole (global) batch: it seeds each microbatch's backward with ``1 / num_items`` and divides the summed
+loss by it. The sum over microbatches (and dp ranks) is then the exact mean, and so are the gradients.
 
-``num_items`` depends only on the labels, so it is known before the first forward runs: this pass cuts
-the labels' own (input-only) computation out of the graph into a small count graph that the runtime runs
-per microbatch, on every rank, with no communication. A loss it cannot analyse (class weights, a loss
-computed from several terms, one that reads a parameter-free buffer path to its targets) is divided by
-the number of microbatches instead (the mean of microbatch means), and ``LossRewrite.reason`` says why;
-``plan.md`` prints it.
+``num_items`` depends only on the labels: this pass cuts the labels' own (input-only) computation out of
+the graph into a small count graph that the runtime runs per microbatch. Only the first backward needs
+the total, so its all-reduce over dp overlaps the first forward. A loss it cannot analyse (class
+weights, a loss computed from several terms, targets computed from a buffer) stays as it is and is
+divided by the number of microbatches (the mean of microbatch means); ``LossRewrite.reason`` says why,
+and ``pipeline.md`` prints it.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.ir import meta as M
-from autoshard.ir.pipeline import LOSS_REWRITE, NUM_ITEMS, LossRewrite
+from autoshard.ir.pipeline import LOSS_REWRITE, LossRewrite
 from autoshard.passes.rules_vocab import cross_entropy_args
 
 aten = torch.ops.aten
@@ -43,19 +44,6 @@ def loss_node(gm: fx.GraphModule) -> fx.Node:
                         "outputs: return exactly one loss (for an HF model pass labels=...), or call pm(...) "
                         "and compute the loss yourself")
     return scalars[0]
-
-
-def _num_items_placeholder(gm: fx.GraphModule) -> fx.Node:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    with gm.graph.inserting_after(placeholders[-1]):
-        node = gm.graph.placeholder(NUM_ITEMS)
-    fake = next(p.meta["val"] for p in placeholders if isinstance(p.meta.get("val"), torch.Tensor))
-    with fake.fake_mode:
-        node.meta["val"] = torch.empty((), dtype=torch.float32)
-    M.KIND.set(node, "input")
-    M.NAME.set(node, NUM_ITEMS)
-    M.REQUIRES_GRAD.set(node, False)
-    return node
 
 
 def _count_graph(target: fx.Node, ignore_index: int):
@@ -91,9 +79,7 @@ def microbatch_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if ctx.options.pipeline is None:
         return gm
     loss = loss_node(gm)
-    num_items = _num_items_placeholder(gm)
     rewrite = LossRewrite(False, "")
-    source = loss
     if getattr(loss.target, "overloadpacket", None) is aten.cross_entropy_loss:
         a = cross_entropy_args(loss)
         if a["weight"] is not None:
@@ -106,22 +92,17 @@ def microbatch_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 rewrite.reason = inputs
             else:
                 with gm.graph.inserting_after(loss):
-                    source = gm.graph.call_function(
+                    total = gm.graph.call_function(
                         aten.cross_entropy_loss.default,
                         (a["logits"], a["target"], None, SUM, a["ignore_index"], a["label_smoothing"]))
-                source.meta.update({k: v for k, v in loss.meta.items() if k != "val"})
-                source.meta["val"] = loss.meta["val"]
+                total.meta.update(loss.meta)
+                loss.replace_all_uses_with(total)
+                gm.graph.erase_node(loss)
                 rewrite = LossRewrite(True, f"cross-entropy (ignore_index={a['ignore_index']}) as a sum over the "
-                                            "microbatch divided by the whole batch's count of non-ignored targets",
+                                            "microbatch divided by the global batch's count of non-ignored targets",
                                       count, inputs)
     else:
         rewrite.reason = f"the loss is computed by {loss.target} (only a mean cross_entropy_loss is analysed)"
-    with gm.graph.inserting_after(source):
-        div = gm.graph.call_function(aten.div.Tensor, (source, num_items))
-    div.meta.update({k: v for k, v in loss.meta.items()})
-    loss.replace_all_uses_with(div, delete_user_cb=lambda u: u is not div)
-    if source is not loss:
-        gm.graph.erase_node(loss)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     gm.meta[LOSS_REWRITE] = rewrite

@@ -17,7 +17,6 @@ from autoshard.ir.schedule import Schedule
 
 STAGE_PLAN = "autoshard_stage_plan"      # GraphModule.meta key: the StagePlan (pipeline_split)
 LOSS_REWRITE = "autoshard_loss_rewrite"  # GraphModule.meta key: the LossRewrite (microbatch_loss)
-NUM_ITEMS = "num_items"                  # the placeholder the rewritten loss divides by
 
 
 @dataclass(frozen=True)
@@ -48,9 +47,10 @@ class StagePlan:
 
 @dataclass
 class LossRewrite:
-    """How the loss of a whole batch is made from microbatches. ``exact``: the mean cross-entropy was
-    rewritten as ``sum / num_items`` and ``count`` counts the non-ignored targets of one microbatch;
-    otherwise the loss is divided by the number of microbatches (the mean of microbatch means)."""
+    """How the loss of a whole batch is made from microbatches. ``exact``: the graph returns the summed
+    cross-entropy of a microbatch and ``count`` counts its non-ignored targets; the runtime divides by the
+    global count. Otherwise the graph returns the model's loss and the runtime divides by the number of
+    microbatches (the mean of microbatch means)."""
     exact: bool
     reason: str
     count: fx.GraphModule | None = None

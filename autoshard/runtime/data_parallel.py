@@ -1,9 +1,9 @@
 """The data-parallel axis: each dp rank steps on its own slice of the global batch; gradients are summed
 over dp in buckets while the last microbatch's backward is still running.
 
-The loss each rank computes is already its share of the global mean (``sum / num_items``, with
-``num_items`` the count over the *global* batch, all-reduced over dp before the first forward), so the
-gradients are *summed* over dp, not averaged, and uneven ``ignore_index`` counts between dp ranks give
+The loss each rank computes is already its share of the global mean (its summed cross-entropy over
+the count of the *global* batch, all-reduced over dp during the first forward), so the gradients are
+*summed* over dp, not averaged, and uneven ``ignore_index`` counts between dp ranks give
 the single-device gradients exactly.
 
 Reduction happens once per step: only during the last backward of each stage on this rank (the

@@ -16,8 +16,10 @@ Sends never block and the schedule's dependency graph is acyclic (``schedule.val
 cannot deadlock. A wait that fails (a peer raised or died) or outlives ``AUTOSHARD_TIMEOUT`` raises on
 this rank, naming the peer, so every rank exits with an error within the timeout.
 
-The loss is ``sum / num_items`` per microbatch (``passes/microbatch_loss.py``), so the sum over
-microbatches is the whole batch's loss and the gradients are the single-device model's. A weight used on
+The last stage's graph returns each microbatch's summed cross-entropy (``passes/microbatch_loss.py``);
+its backward is seeded with ``1 / num_items``, the global batch's count of non-ignored targets (counted
+per microbatch, summed over dp asynchronously: only the first backward waits for it), so the gradients
+are the single-device model's on the whole batch, and so is the loss returned. A weight used on
 two ranks' stages (a tied embedding and LM head) is held by both; their gradients are summed over the
 ranks that hold it after the last backward (Megatron's embedding group), so the copies stay identical.
 """
@@ -34,7 +36,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from autoshard.ir.options import dump_dir, pg_timeout_seconds
-from autoshard.ir.pipeline import NUM_ITEMS, PipelineProgram
+from autoshard.ir.pipeline import PipelineProgram
 from autoshard.ir.schedule import Action, Kind
 from autoshard.ir.simulator import Span, Timeline
 from autoshard.runtime import training
@@ -72,6 +74,22 @@ def split_batch(leaves: list, m: int, example_leaves: list | None = None) -> lis
                              "runs the shapes of the example batch (batch size / microbatches); parallelize "
                              "again for another batch shape")
     return out
+
+
+class _Denominator:
+    """The global target count, possibly still being summed over dp."""
+
+    def __init__(self, total: torch.Tensor, work=None):
+        self.total, self.work = total, work
+
+    def value(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.total.reshape(())
+
+    def reciprocal(self, dtype) -> torch.Tensor:
+        return (1.0 / self.value()).to(dtype)
 
 
 def _tag(kind: Kind, sender: int, microbatch: int, m: int) -> int:
@@ -143,16 +161,14 @@ class PipelineModule(training.TrainingMethods, nn.Module):
     def schedule(self):
         return self.program.schedule
 
-    def _value(self, inp, user: dict, num_items):
+    def _value(self, inp, user: dict):
         if inp.kind == "buffer":
             if inp.name in self._buffers_by_name:
                 return getattr(self, self._buffers_by_name[inp.name])
             return self._constants[inp.name]
-        if inp.name == NUM_ITEMS:
-            return num_items
         return user[inp.name]
 
-    def _inputs(self, chunk, boundary, user, num_items, params: list) -> list:
+    def _inputs(self, chunk, boundary, user, params: list) -> list:
         params = iter(params)
         out = []
         for inp in chunk.inputs:
@@ -161,18 +177,21 @@ class PipelineModule(training.TrainingMethods, nn.Module):
             elif inp.kind == "parameter":
                 out.append(next(params))
             else:
-                out.append(self._value(inp, user, num_items))
+                out.append(self._value(inp, user))
         return out
 
-    def _counts(self, micro_users: list) -> torch.Tensor:
-        """The denominator of the global batch's loss: non-ignored targets over every microbatch of every
-        dp rank (one all-reduce over dp), or the number of microbatches for the mean-of-means fallback."""
+    def _denominator(self, micro_users: list) -> "_Denominator | None":
+        """What the loss is divided by: the non-ignored targets of every microbatch of every dp rank (an
+        all-reduce over dp, started now and waited for at the first backward), or the number of
+        microbatches for the mean-of-means fallback. Only ranks holding the last stage need it."""
+        if self.program.chunks[-1].index not in self.schedule.stages_of(self.program.pp_rank):
+            return None
         loss, dp = self.program.loss, self.comms["dp"]
         if not loss.exact:
-            return torch.tensor(float(len(micro_users) * dp.size))
+            return _Denominator(torch.tensor(float(len(micro_users) * dp.size)))
         total = torch.as_tensor(sum(loss.count(*[u[n] for n in loss.count_inputs]) for u in micro_users),
                                 dtype=torch.float32).reshape(1).clone()
-        return dp.all_reduce(total, "count")[0] if dp.size > 1 else total[0]
+        return _Denominator(total, dp.all_reduce_async(total, "count") if dp.size > 1 else None)
 
     def step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of the whole batch over the pipeline: returns the loss (on every rank)
@@ -185,9 +204,9 @@ class PipelineModule(training.TrainingMethods, nn.Module):
                             f"{captured.in_spec}: pass the same arguments (by the same keywords) as the example")
         micro = split_batch(leaves, m, captured.example_leaves)
         users = [dict(zip(captured.user_input_names, (mb[i] for i in captured.input_leaves))) for mb in micro]
-        num_items = self._counts(users)
+        denominator = self._denominator(users)
         saved_tied = self._stash_tied_grads()
-        run = _Run(self, users, num_items)
+        run = _Run(self, users, denominator)
         run.execute(sched.actions.get(self.program.pp_rank, []))
         if run.reducer is not None:
             run.reducer.finish()                 # the dp sums, overlapped with the last backward
@@ -293,8 +312,8 @@ class PipelineModule(training.TrainingMethods, nn.Module):
 class _Run:
     """One step on one rank: the inbox of received values, the saved activations, the pending transfers."""
 
-    def __init__(self, pm: PipelineModule, users: list, num_items: torch.Tensor):
-        self.pm, self.users, self.num_items = pm, users, num_items
+    def __init__(self, pm: PipelineModule, users: list, denominator):
+        self.pm, self.users, self.denominator = pm, users, denominator
         prog = pm.program
         self.sched, self.m, self.me = prog.schedule, prog.schedule.microbatches, prog.pp_rank
         self.chunks = {c.index: c for c in prog.own}
@@ -382,7 +401,7 @@ class _Run:
         graph = self.pm.graphs[str(a.stage)]
         if a.stage not in self.param_inputs:   # once per step: the same local leaves feed every microbatch
             self.param_inputs[a.stage] = self.pm.params.local_inputs(chunk.params, self.leaves)
-        inputs = self.pm._inputs(chunk, x, self.users[a.microbatch], self.num_items, self.param_inputs[a.stage])
+        inputs = self.pm._inputs(chunk, x, self.users[a.microbatch], self.param_inputs[a.stage])
         saved = _SavedBytes(self.param_storages) if self.pm.measure_memory else None
         if saved is None:
             out = graph(*inputs)
@@ -407,6 +426,8 @@ class _Run:
         grad = None if chunk.last else self._take(("B", a.stage, a.microbatch))
         if self.reducer is not None and self.last_backward.get(a.stage) == a:
             self.reducer.arm(a.stage)
+        if chunk.last:     # seed with 1 / (the global batch's count): the loss is the global mean
+            grad = self.denominator.reciprocal(out.dtype)
         t0 = time.perf_counter() - self.start
         torch.autograd.backward(out, grad)
         self.held -= nbytes
@@ -443,6 +464,8 @@ class _Run:
             self._wait(a, work)
         if self.saved:
             raise RuntimeError(f"internal: the schedule left {sorted(self.saved)} without a backward")
+        if self.denominator is not None:
+            self.loss = self.loss / self.denominator.value()
 
     def timeline(self) -> Timeline:
         end = time.perf_counter() - self.start
