@@ -38,6 +38,9 @@ ADAM_BYTES_PER_PARAM_BYTE = 4      # the parameter, its gradient, and AdamW's tw
 _MATMULS = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "scaled_dot_product_attention"}
 _VIEWS = {"view", "reshape", "_unsafe_view", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze", "slice",
           "select", "split", "alias", "detach", "getitem", "contiguous", "clone"}
+# exp/log/tanh-class ops: on a CPU core their element rate, not the bytes they move, sets their time
+_TRANSCENDENTAL = {"exp", "log", "tanh", "gelu", "silu", "sigmoid", "erf", "softmax", "_softmax", "log_softmax",
+                   "_log_softmax", "cross_entropy_loss", "nll_loss", "logsumexp", "rsqrt", "sqrt", "pow"}
 # ops whose backward needs none of their inputs: a value only they read is not kept for backward
 _KEEP_NOTHING = _VIEWS | {"add", "sub", "neg", "cat", "dropout", "to", "_to_copy", "sum", "mean", "div_scalar"}
 
@@ -119,6 +122,11 @@ def node_seconds(n: fx.Node, cm) -> float:
     if name in _VIEWS - {"contiguous", "clone"}:
         return cm.op_overhead / 4       # a view: no data moves, only the dispatch
     work = f / cm.flops if name in _MATMULS else max(f / cm.flops, moved / cm.memory_bandwidth)
+    if name in _TRANSCENDENTAL:
+        first = val(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+        elements = max(val(n).numel() if isinstance(val(n), torch.Tensor) else 0,
+                       first.numel() if isinstance(first, torch.Tensor) else 0)
+        work = max(work, elements / cm.transcendental_rate)
     return cm.op_overhead + work
 
 

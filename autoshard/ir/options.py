@@ -49,16 +49,18 @@ class CostModel:
     p2p_bandwidth: float = 25e9       # bytes/s of one boundary send between pipeline ranks
     p2p_latency: float = 20e-6        # s per boundary send
     op_overhead: float = 5e-6         # s per op on top of its flops or bytes (a kernel launch; Python on CPU)
+    transcendental_rate: float = 1e12  # elements/s of exp/log/tanh-class ops (softmax, GeLU, the loss)
 
     @staticmethod
     def cpu() -> "CostModel":
         """One CPU core per rank over gloo on one host (measured on the CI machine: a single-thread fp32
         matmul runs at about 180 GFLOP/s, a pointwise op at about 6 GB/s, and an op of a small model costs
-        about 8 us of dispatch and autograd whatever its size). What the pipeline balancer
+        about 8 us of dispatch and autograd whatever its size; a log-softmax or a GeLU runs at about
+        3e8 elements/s, far below the memory bandwidth). What the pipeline balancer
         prices with when no GPU is present and no cost model was given; the tp planner keeps the GPU
         constants (its plan does not depend on the machine, only on ratios that are the same)."""
         return CostModel(flops=100e9, memory_bandwidth=6e9, p2p_bandwidth=2e9, p2p_latency=100e-6,
-                         op_overhead=8e-6)
+                         op_overhead=8e-6, transcendental_rate=3e8)
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
