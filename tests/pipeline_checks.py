@@ -42,6 +42,7 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
     options = dict(options)
     clip = options.pop("clip", None)      # clip every step with pm.clip_grad_norm_ (the norm over all stages)
     zero = options.get("zero", 0)         # ZeRO-1: pm.optimizer shards AdamW's state over dp
+    accumulate = options.pop("accumulate", False)   # two pm.step calls per optimizer step, no zero_grad
     model, vocab = build_model(kind, cfg)
     ref = copy.deepcopy(model)
     dp = mesh.get("dp", 1)            # each dp rank steps on its rows of a global batch of B * dp
@@ -53,11 +54,13 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
     losses, grads, norms = [], [], []
     for step in range(steps):
-        args, kwargs = ragged_batch(kind, vocab, B * dp, T, seed=10 + step)
-        local_args, local_kwargs = autoshard.local_batch((args, kwargs), device_mesh)
-        loss = pm.step(*local_args, **local_kwargs)
-        rloss = _loss(kind, ref(*args, **kwargs))
-        rloss.backward()
+        loss = rloss = 0.0
+        for seed in ([10 + step, 50 + step] if accumulate else [10 + step]):
+            args, kwargs = ragged_batch(kind, vocab, B * dp, T, seed=seed)
+            local_args, local_kwargs = autoshard.local_batch((args, kwargs), device_mesh)
+            loss = pm.step(*local_args, **local_kwargs)
+            rloss = _loss(kind, ref(*args, **kwargs))
+            rloss.backward()
         losses.append(abs(float(loss) - float(rloss.detach())) / abs(float(rloss.detach())))
         rgrad = dict(ref.named_parameters(remove_duplicate=False))
         scale = max(float(p.grad.abs().max()) for p in ref.parameters())

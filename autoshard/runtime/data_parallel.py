@@ -43,9 +43,10 @@ class Bucket:
 
 @dataclass
 class GradReducer:
-    """Sums the step's parameter gradients over the dp group, overlapped with the last backward."""
+    """Sums the step's parameter gradients over the dp group, overlapped with the last backward. Built
+    once per set of parameter leaves (its buckets, hooks and buffers serve every step)."""
     comm: object                          # the dp AxisComm
-    leaves: dict                          # name -> the step's parameter leaf
+    leaves: dict                          # name -> the parameter's local leaf
     stage_params: dict                    # stage -> parameter names its graph reads (this rank's stages)
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     buckets: list = field(default_factory=list)
@@ -71,17 +72,28 @@ class GradReducer:
                 size, dtype = size + leaf.numel() * leaf.element_size(), leaf.dtype
             if current:
                 self._add(stage, current)
-        # Each leaf's gradient is a view into its bucket's flat buffer (DDP's gradient_as_bucket_view):
-        # autograd accumulates into it in place, and the all-reduce runs on the buffer with no copies.
         self._views = {}
+        self._hooks = [self.leaves[n].register_post_accumulate_grad_hook(self._ready(n)) for n in self._of]
+
+    def begin_step(self, grads_still_held: bool) -> None:
+        """Point every leaf's gradient at its zeroed slice of its bucket's flat buffer (DDP's
+        ``gradient_as_bucket_view``): autograd accumulates into it in place, and the all-reduce runs on the
+        buffer with no copies. The buffers are reused step after step, unless the parameters' ``.grad``
+        from the last step (which alias them) are still held: then the step gets fresh ones."""
+        self.armed.clear()
+        self._next = 0
         for b in self.buckets:
+            b.pending, b.work = len(b.names), None
             leaves = [self.leaves[n] for n in b.names]
-            b.flat = torch.zeros(sum(t.numel() for t in leaves), dtype=leaves[0].dtype, device=leaves[0].device)
+            numel = sum(t.numel() for t in leaves)
+            if b.flat is None or grads_still_held:
+                b.flat = torch.zeros(numel, dtype=leaves[0].dtype, device=leaves[0].device)
+            else:
+                b.flat.zero_()
             offset = 0
             for n, t in zip(b.names, leaves):
                 self._views[n] = t.grad = b.flat[offset:offset + t.numel()].view_as(t)
                 offset += t.numel()
-        self._hooks = [self.leaves[n].register_post_accumulate_grad_hook(self._ready(n)) for n in self._of]
 
     def _add(self, stage, names):
         b = Bucket(list(names), len(names), stage)
@@ -130,6 +142,8 @@ class GradReducer:
                                    f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. A dp peer probably "
                                    "raised or died: see its error") from e
         self.comm_seconds = time.perf_counter() - start
+
+    def close(self) -> None:
         for h in self._hooks:
             h.remove()
 

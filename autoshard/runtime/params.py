@@ -111,6 +111,16 @@ class ShardedParameters(nn.Module):
             out.append(x if x.dtype == r.dtype else x.to(r.dtype))
         return out
 
+    def leaves_current(self, leaves: dict) -> bool:
+        """Whether ``leaves`` (from ``step_leaves``) still share storage with the shards (they do unless a
+        parameter's tensor was replaced rather than updated in place)."""
+        for name, leaf in leaves.items():
+            p = self.shards[self.keys[name]]
+            local = p._local_tensor if DTensor is not None and isinstance(p, DTensor) else p
+            if local.data_ptr() != leaf.data_ptr() or local.shape != leaf.shape:
+                return False
+        return True
+
     def step_leaves(self, names) -> dict:
         """Plain local leaves sharing the shards' storage, for a step that runs many microbatches: their
         gradients accumulate locally, and ``accumulate_step_grads`` hands them to the parameters once per

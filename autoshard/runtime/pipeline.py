@@ -180,6 +180,26 @@ class PipelineModule(training.TrainingMethods, nn.Module):
                 out.append(self._value(inp, user))
         return out
 
+    def _step_state(self, grads_held: bool):
+        """``(leaves, reducer)`` for a step: the parameters' local leaves (made once, remade only if a shard
+        was replaced) with no gradient yet, and the dp reducer built on them (None without dp)."""
+        cached = self.__dict__.get("_leaves_cache")
+        if cached is None or not self.params.leaves_current(cached[0]):
+            if cached is not None and cached[1] is not None:
+                cached[1].close()
+            leaves = self.params.step_leaves(list(self.params.records))
+            dp = self.comms["dp"]
+            reducer = GradReducer(dp, leaves, {c.index: c.param_names for c in self.program.own},
+                                  self.bucket_bytes) if dp.size > 1 else None
+            cached = self.__dict__["_leaves_cache"] = (leaves, reducer)
+        leaves, reducer = cached
+        if reducer is None:
+            for leaf in leaves.values():
+                leaf.grad = None
+        else:
+            reducer.begin_step(grads_still_held=grads_held)
+        return leaves, reducer
+
     def _denominator(self, micro_users: list) -> "_Denominator | None":
         """What the loss is divided by: the non-ignored targets of every microbatch of every dp rank (an
         all-reduce over dp, started now and waited for at the first backward), or the number of
@@ -205,8 +225,9 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         micro = split_batch(leaves, m, captured.example_leaves)
         users = [dict(zip(captured.user_input_names, (mb[i] for i in captured.input_leaves))) for mb in micro]
         denominator = self._denominator(users)
+        grads_held = any(p.grad is not None for p in self.params.parameters())   # before the tied stash
         saved_tied = self._stash_tied_grads()
-        run = _Run(self, users, denominator)
+        run = _Run(self, users, denominator, grads_held)
         run.execute(sched.actions.get(self.program.pp_rank, []))
         if run.reducer is not None:
             run.reducer.finish()                 # the dp sums, overlapped with the last backward
@@ -312,7 +333,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
 class _Run:
     """One step on one rank: the inbox of received values, the saved activations, the pending transfers."""
 
-    def __init__(self, pm: PipelineModule, users: list, denominator):
+    def __init__(self, pm: PipelineModule, users: list, denominator, grads_held: bool):
         self.pm, self.users, self.denominator = pm, users, denominator
         prog = pm.program
         self.sched, self.m, self.me = prog.schedule, prog.schedule.microbatches, prog.pp_rank
@@ -321,10 +342,7 @@ class _Run:
         self.pending, self.sends = [], []
         self.loss = torch.zeros((), dtype=torch.float32)
         self.param_inputs = {}       # stage -> the graph's parameter inputs (local, padded, cast), per step
-        self.leaves = pm.params.step_leaves(list(pm.params.records))
-        dp = pm.comms["dp"]
-        self.reducer = GradReducer(dp, self.leaves, {c.index: c.param_names for c in prog.own},
-                                   pm.bucket_bytes) if dp.size > 1 else None
+        self.leaves, self.reducer = pm._step_state(grads_held)
         self.last_backward = {}                # stage -> its last B action this step (the reducer arms there)
         for a in prog.schedule.actions.get(self.me, []):
             if a.kind is Kind.B:
