@@ -107,8 +107,6 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
     """
     options = options or CompileOptions()
     spec = mesh_spec(mesh)
-    if spec.dp > 1:
-        raise NotImplementedError(f"mesh {spec}: data parallelism is not implemented yet; use a mesh with dp=1")
     if spec.pp > 1 and options.pipeline is None:
         raise ValueError(f"mesh {spec} has a pipeline axis: compile it with compile_pipeline (parallelize does) "
                          "and train with pm.step")
@@ -213,7 +211,7 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
         raise ValueError("parallelize needs a DeviceMesh from autoshard.init_mesh for more than one rank; "
                          "use autoshard.compile_rank for compile-only runs")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if spec.pp > 1 or spec.dp > 1:
+    if spec.pp > 1:
         program = compile_pipeline(model, spec, rank, example_args, example_kwargs, options)
         comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
         peers = spec.group_ranks(rank, "pp")
@@ -235,4 +233,6 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
 
     comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
     tp_mesh = mesh["tp"] if real_mesh else None
-    return ParallelModule(prog, model, comms, tp_mesh, compiler, max_programs, step_compiler)
+    pm = ParallelModule(prog, model, comms, tp_mesh, compiler, max_programs, step_compiler)
+    pm.zero = step_options.pipeline.zero if step_options.pipeline is not None else 0
+    return pm

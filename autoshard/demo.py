@@ -84,7 +84,7 @@ def main(argv=None):
         print(f"autoshard: {cfg.n_layer}-layer GPT ({sum(p.numel() for p in model.parameters()):,} parameters, "
               f"vocab {cfg.vocab_size}) over dp={args.dp} x pp={args.pp} x tp={tp} gloo ranks"
               f"{' with ZeRO-1' if args.zero else ''}; compiled in {compile_s:.2f} s")
-        if pipelined:
+        if args.pp > 1:
             print(f"pipeline: {args.schedule}, {args.microbatches} microbatches; stages hold layers "
                   + ", ".join(str(list(c.layers)) for c in pm.program.plan.costs))
         print(f"{'step':>5} {'autoshard loss':>15} {'single-device':>14} {'|diff|':>9}")

@@ -49,6 +49,20 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
     device_mesh = autoshard.init_mesh(**mesh)
     args, kwargs = ragged_batch(kind, vocab, B * dp, T, seed=1)
     pm = autoshard.parallelize(model, device_mesh, *autoshard.local_batch((args, kwargs), device_mesh), **options)
+    if dp > 1 and mesh.get("pp", 1) == 1:   # a ParallelModule: eval forwards work, training ones must refuse
+        local_args, local_kwargs = autoshard.local_batch((args, kwargs), device_mesh)
+        try:
+            pm(*local_args, **local_kwargs)
+            raise AssertionError("a training forward with dp > 1 should refuse")
+        except RuntimeError as e:
+            assert "train with pm.step" in str(e)
+        pm.eval()
+        ref.eval()
+        got = _loss(kind, pm(*local_args, **local_kwargs))
+        want = _loss(kind, ref(*local_args, **local_kwargs))
+        assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want)), (float(got), float(want))
+        pm.train()
+        ref.train()
     opt = pm.optimizer(torch.optim.AdamW, lr=1e-2, eps=1e-4) if zero else \
         torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-4)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)

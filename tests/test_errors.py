@@ -28,9 +28,10 @@ def test_unknown_axis_name():
         mesh_spec(FakeMesh())
 
 
-def test_data_axis_not_yet_supported_and_pipeline_needs_compile_pipeline():
-    with pytest.raises(NotImplementedError, match="data parallelism is not implemented yet"):
-        autoshard.compile_rank(build("gpt", n_layer=1), {"tp": 2, "dp": 2}, 0, *batch("gpt", 96))
+def test_data_axis_compiles_and_pipeline_needs_compile_pipeline():
+    prog = autoshard.compile_rank(build("gpt", n_layer=1), {"tp": 2, "dp": 2}, 3, *batch("gpt", 96))
+    assert prog.coords == {"dp": 1, "pp": 0, "tp": 1}
+    assert {c.axis for c in prog.collectives} == {"tp"}      # graph shapes are per dp replica: no dp op
     with pytest.raises(ValueError, match="compile it with compile_pipeline"):
         autoshard.compile_rank(build("gpt", n_layer=1), {"tp": 2, "pp": 2}, 0, *batch("gpt", 96))
 

@@ -25,6 +25,7 @@ from autoshard.ir.program import Program
 from autoshard.runtime import training
 from autoshard.runtime.bind import bind
 from autoshard.runtime.comm import AxisComm
+from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
 from autoshard.runtime.params import ShardedParameters
 
 log = logging.getLogger("autoshard")
@@ -76,6 +77,8 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self.compile_log = []              # (ProgramKey, seconds) per program compiled after the first
         self._steps = 0
         self._step_compiler = step_compiler
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES   # dp gradient buckets of pm.step (DDP's bucket_cap_mb)
+        self.zero = 0                              # pm.optimizer's default ZeRO stage (parallelize(zero=...))
         self.__dict__["_stepper"] = None     # the pm.step executor: shares self.params, not a submodule
         self.train(model.training)
         self._check_ranks_agree(program, model)
@@ -161,6 +164,10 @@ class ParallelModule(training.TrainingMethods, nn.Module):
 
     # --- forward ----------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self.training and self.comms["dp"].size > 1:
+            raise RuntimeError(f"with data parallelism (dp={self.comms['dp'].size}) train with pm.step(*local_batch): "
+                               "it sums the gradients over dp ranks; a training forward here would leave each "
+                               "replica's gradients unsynchronised. pm.eval() forwards are fine")
         leaves, spec = pytree.tree_flatten((args, kwargs))
         program, graph, constants = self._program_for(leaves, spec)
         user = [leaves[i] for i in program.captured.input_leaves]  # the leaves the graph reads (tensors)
@@ -183,8 +190,10 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             from autoshard.runtime.pipeline import PipelineModule
             pins = {r.name: r.spec.tp for r in self.program.params}
             program = self._step_compiler(args, kwargs, pins)
-            self.__dict__["_stepper"] = PipelineModule(program, None, self.comms, params=self.params,
-                                                       buffers=self._model_buffers, persistent=self._persistent)
+            stepper = PipelineModule(program, None, self.comms, params=self.params, buffers=self._model_buffers,
+                                     persistent=self._persistent)
+            stepper.bucket_bytes = self.bucket_bytes
+            self.__dict__["_stepper"] = stepper
         return self._stepper.step(*args, **kwargs)
 
     # --- checks ----------------------------------------------------------------------------------------------

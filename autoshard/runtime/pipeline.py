@@ -282,17 +282,6 @@ class PipelineModule(training.TrainingMethods, nn.Module):
             if saved[name] is not None:
                 p.grad += saved[name]
 
-    def optimizer(self, optimizer_class, *, zero: int | None = None, **defaults):
-        """A torch optimizer over this rank's parameters. ``zero=1`` (default: ``parallelize(zero=...)``)
-        shards its state over the dp group (ZeRO-1, ``runtime/zero.py``)."""
-        zero = self.zero if zero is None else zero
-        if zero not in (0, 1):
-            raise ValueError(f"zero={zero!r}: autoshard implements ZeRO stage 1 (zero=1) or none (zero=0)")
-        if zero == 1:
-            from autoshard.runtime.zero import ZeroOptimizer
-            return ZeroOptimizer(self, optimizer_class, **defaults)
-        return optimizer_class(self.parameters(), **defaults)
-
     # --- state -------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self) -> dict:

@@ -125,3 +125,14 @@ class TrainingMethods(CommCounting):
     def check_replicas(self):
         """Raise on every rank, naming the parameters, if copies that should be identical have drifted."""
         check_replicas(self)
+
+    def optimizer(self, optimizer_class, *, zero: int | None = None, **defaults):
+        """A torch optimizer over this rank's parameters. ``zero=1`` (default: ``parallelize(zero=...)``)
+        shards its state over the dp group (ZeRO-1, ``runtime/zero.py``)."""
+        zero = getattr(self, "zero", 0) if zero is None else zero
+        if zero not in (0, 1):
+            raise ValueError(f"zero={zero!r}: autoshard implements ZeRO stage 1 (zero=1) or none (zero=0)")
+        if zero == 1:
+            from autoshard.runtime.zero import ZeroOptimizer
+            return ZeroOptimizer(self, optimizer_class, **defaults)
+        return optimizer_class(self.parameters(), **defaults)
