@@ -224,10 +224,9 @@ class PipelineModule(training.TrainingMethods, nn.Module):
                             f"{captured.in_spec}: pass the same arguments (by the same keywords) as the example")
         micro = split_batch(leaves, m, captured.example_leaves)
         users = [dict(zip(captured.user_input_names, (mb[i] for i in captured.input_leaves))) for mb in micro]
-        denominator = self._denominator(users)
         grads_held = any(p.grad is not None for p in self.params.parameters())   # before the tied stash
         saved_tied = self._stash_tied_grads()
-        run = _Run(self, users, denominator, grads_held)
+        run = _Run(self, users, grads_held)
         run.execute(sched.actions.get(self.program.pp_rank, []))
         if run.reducer is not None:
             run.reducer.finish()                 # the dp sums, overlapped with the last backward
@@ -322,8 +321,8 @@ class PipelineModule(training.TrainingMethods, nn.Module):
 class _Run:
     """One step on one rank: the inbox of received values, the saved activations, the pending transfers."""
 
-    def __init__(self, pm: PipelineModule, users: list, denominator, grads_held: bool):
-        self.pm, self.users, self.denominator = pm, users, denominator
+    def __init__(self, pm: PipelineModule, users: list, grads_held: bool):
+        self.pm, self.users, self.denominator = pm, users, None
         prog = pm.program
         self.sched, self.m, self.me = prog.schedule, prog.schedule.microbatches, prog.pp_rank
         self.chunks = {c.index: c for c in prog.own}
@@ -460,6 +459,9 @@ class _Run:
         receives = [a for a in actions if a.kind in (Kind.RECV_F, Kind.RECV_B)]
         for a in receives:
             self._post(a)
+        self._flush()
+        # counted while the first receive is in flight (a later stage waits for it anyway)
+        self.denominator = self.pm._denominator(self.users)
         for a in actions:
             if a.is_compute:
                 self._flush()
