@@ -179,7 +179,7 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
                 loss_only: bool = False, dump: str | None = None, cost_model=None, disable=(),
                 mixed_precision: str | None = None, max_programs: int = 8, microbatches: int | None = None,
                 schedule: str = "1f1b", virtual_stages: int = 1, pipeline_cuts=None, memory_limit=None,
-                zero: int = 0, options: CompileOptions | None = None):
+                zero: int = 0, fuse: bool | str = "auto", options: CompileOptions | None = None):
     """Tensor-parallel ``model`` over ``mesh["tp"]``: an ``nn.Module`` holding this rank's shards.
 
     ``example_args``/``example_kwargs`` are traced first; other shapes, and the other of train/eval
@@ -197,11 +197,15 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     With a ``dp`` axis each dp rank passes its own rows of the global batch (``autoshard.local_batch``)
     and ``pm.step`` returns the global batch's loss; ``zero=1`` makes ``pm.optimizer(cls, ...)`` shard
     the optimizer state over dp (ZeRO-1).
+
+    ``fuse`` runs chains of pointwise ops and row reductions (bias, dropout, residual add, LayerNorm,
+    RMSNorm, softmax) as generated Triton kernels, forward and backward: ``"auto"`` on CUDA only;
+    ``True`` on CPU too when ``TRITON_INTERPRET=1`` (slow: for tests).
     """
     spec = mesh_spec(mesh)
     if options is None:
         options = CompileOptions(pins=pins or {}, loss_only=loss_only, dump=dump, disable=disable,
-                                 mixed_precision=mixed_precision)
+                                 mixed_precision=mixed_precision, fuse=fuse)
         if cost_model is not None:
             options.cost_model = cost_model
         options.pipeline = PipelineOptions(microbatches or 1, schedule, virtual_stages, pipeline_cuts, memory_limit,

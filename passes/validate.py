@@ -45,7 +45,8 @@ def check_heads_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 
 
 def check_local_shapes_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
-    """Run the local program on meta tensors; every tensor's shape must equal its ``LOCAL_SHAPE``."""
+    """Run the local program on meta tensors; every tensor's shape must equal its ``LOCAL_SHAPE``. Each
+    node keeps its meta value (``LOCAL_VAL``: dtype and strides too) for the passes after this one."""
     inputs = []
     for n in gm.graph.nodes:
         if n.op == "placeholder":
@@ -70,6 +71,7 @@ def check_local_shapes_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
                 if want is None or tuple(out.shape) != tuple(want):
                     raise ShapeCheckError(f"local shape of {node.name} ({node.format_node()}) is "
                                           f"{tuple(out.shape)}, the plan says {want}")
+                M.LOCAL_VAL.set(node, out)
             return out
 
     Checker(gm).run(*inputs)

@@ -47,8 +47,10 @@ SPEC = MetaKey("autoshard_spec", "plan", "DistSpec: one placement per mesh axis 
 GLOBAL_SHAPE = MetaKey("autoshard_global_shape", "tp_rewrite", "the output's shape in the single-device model")
 LOCAL_SHAPE = MetaKey("autoshard_local_shape", "tp_rewrite", "the output's shape on this rank")
 SOURCE = MetaKey("autoshard_source", "tp_rewrite", "collective nodes: the node whose value they move")
+LOCAL_VAL = MetaKey("autoshard_local_val", "check_local_shapes",
+                    "a meta tensor of the node's local value: shape, dtype and strides on this rank")
 
-ALL = (KIND, NAME, REQUIRES_GRAD, STRATEGY, SPEC, GLOBAL_SHAPE, LOCAL_SHAPE, SOURCE)
+ALL = (KIND, NAME, REQUIRES_GRAD, STRATEGY, SPEC, GLOBAL_SHAPE, LOCAL_SHAPE, SOURCE, LOCAL_VAL)
 
 # Graph-level facts live in ``GraphModule.meta`` under these keys.
 PLAN_REPORT = "autoshard_plan_report"

@@ -105,6 +105,7 @@ class CompileOptions:
     dump: str | None = None                           # directory for pass dumps (or AUTOSHARD_DUMP)
     mixed_precision: str | None = None                # "bf16": fp32 parameters, bf16 compute
     pipeline: PipelineOptions | None = None           # set for pm.step programs (microbatches, stages)
+    fuse: bool | str = "auto"                         # generated Triton kernels: True, False, "auto" (on CUDA)
 
     def __post_init__(self):
         self.pins = dict(self.pins or {})

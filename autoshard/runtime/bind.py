@@ -74,6 +74,9 @@ def bind(gm: fx.GraphModule, comms: dict) -> fx.GraphModule:
         if node.op != "call_module":
             continue
         op = gm.get_submodule(node.target)
+        if getattr(op, "runs_without_comm", False):   # a local kernel (kernels.launch.FusedGroup)
+            root.add_module(node.target, op)
+            continue
         if type(op) not in IMPLEMENTATIONS:
             raise TypeError(f"node {node.name} calls {type(op).__name__}, which the runtime cannot run")
         if op.axis not in comms:

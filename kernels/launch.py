@@ -1,0 +1,195 @@
+"""Launchers and the autograd layer (Liger's layering: kernel -> launcher -> ``autograd.Function``).
+
+A ``Kernel`` is one generated ``@triton.jit`` function with its plan: it allocates the outputs, picks
+the tile sizes and grid, launches, and adds the ``colsum`` partials. ``FusedGroup`` is the module the
+fusion pass puts in the graph: forward runs the group's forward kernel; backward runs its backward
+kernel, which recomputes the forward's pointwise work from the group's inputs, so the only tensors kept
+for backward are the inputs the backward reads (``saved``).
+
+Kernels are specialised on their operands' strides and dtypes. The pass compiles them for the traced
+layout; a call with another layout (a non-contiguous gradient, a bf16 program) compiles one more
+variant the first time it is seen.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autoshard.kernels import codegen
+from autoshard.kernels.cache import load_source
+from autoshard.kernels.lower import COLSUM, KernelPlan, lower
+from autoshard.kernels.trace import GroupTrace
+
+MAX_PROGRAMS = 1024      # instances that keep colsum partials (the launcher adds this many rows)
+# Triton's interpreter patches triton.language globally for the length of a launch, so two threads (the
+# in-process simulator's ranks) must not interpret at once.
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _np2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class Launch:
+    block_r: int
+    block_c: int
+    iters: int
+    grid: tuple
+    num_warps: int
+
+
+def launch_shape(plan: KernelPlan, interpreter: bool) -> Launch:
+    """Tiles of about 2K elements on a GPU (4K for whole rows); 64K under the interpreter, which pays
+    1-5 ms per instance whatever its size."""
+    target = 1 << 16 if interpreter else (4096 if plan.template == "row" else 2048)
+    if plan.template == "row":
+        block_c = _np2(plan.cols)
+    else:
+        block_c = min(_np2(plan.cols), 256 if not interpreter else 1 << 14)
+    block_r = min(_np2(plan.rows), max(1, target // block_c))
+    row_blocks = -(-plan.rows // block_r)
+    iters = 1
+    if any(o.kind == COLSUM for o in plan.outputs):
+        iters = -(-row_blocks // min(row_blocks, MAX_PROGRAMS))
+    programs = -(-row_blocks // iters)
+    grid = (programs,) if plan.template == "row" else (programs, -(-plan.cols // block_c))
+    warps = max(1, min(16, block_r * block_c // 512))
+    return Launch(block_r, block_c, iters, grid, 1 << (warps.bit_length() - 1))
+
+
+class Kernel:
+    """One generated kernel and how to launch it."""
+
+    def __init__(self, plan: KernelPlan, label: str):
+        self.plan, self.label = plan, label
+        # named by the plan alone: two groups with the same plan (every layer's) share one file
+        self.name = self.module_name = f"autoshard_{plan.template}_{plan.key}"
+        self.source = codegen.render(plan, self.name)
+        self.fn = getattr(load_source(self.module_name, self.source), self.name)
+
+    def __call__(self, *inputs) -> list:
+        plan = self.plan
+        shape = launch_shape(plan, interpreting() or not inputs[plan.used[0]].is_cuda)
+        device = inputs[plan.used[0]].device
+        outs, partials = [], []
+        for o in plan.outputs:
+            if o.kind == COLSUM:
+                acc = torch.float64 if plan.compute == "tl.float64" else torch.float32
+                partials.append(torch.empty((shape.grid[0], plan.cols), dtype=acc, device=device))
+                outs.append(partials[-1])
+            else:
+                outs.append(torch.empty(o.shape, dtype=o.dtype, device=device))
+        args = [inputs[i] for i in plan.used]
+        with _INTERPRETER_LOCK if interpreting() else contextlib.nullcontext():
+            self.fn[shape.grid](*args, *outs, ITERS=shape.iters, BLOCK_R=shape.block_r, BLOCK_C=shape.block_c,
+                                num_warps=shape.num_warps)
+        return [out.sum(0).to(o.dtype).view(o.shape) if o.kind == COLSUM else out
+                for o, out in zip(plan.outputs, outs)]
+
+
+def _layout(x):
+    return (tuple(x.shape), tuple(x.stride()), x.dtype) if isinstance(x, torch.Tensor) else None
+
+
+class Variants:
+    """A primitive graph's kernels, one per operand layout seen."""
+
+    def __init__(self, graph: fx.GraphModule, anchor: tuple, label: str, input_kinds=None):
+        self.graph, self.anchor, self.label, self.input_kinds = graph, tuple(anchor), label, input_kinds
+        self.kernels: dict = {}
+
+    def get(self, inputs) -> Kernel:
+        key = tuple(_layout(x) for x in inputs)
+        k = self.kernels.get(key)
+        if k is None:
+            k = self.kernels[key] = Kernel(lower(self.graph, list(inputs), self.anchor, self.input_kinds), self.label)
+        return k
+
+    def __call__(self, *inputs) -> list:
+        return self.get(inputs)(*inputs)
+
+
+class FusedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group: "FusedGroup", *inputs):
+        outs = group.forward_kernels(*inputs)
+        ctx.group = group
+        ctx.save_for_backward(*[inputs[i] for i in group.saved])
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        group = ctx.group
+        inputs = [None] * group.n_inputs
+        for i, t in zip(group.saved, ctx.saved_tensors):
+            inputs[i] = t
+        floats = [g for g, o in zip(grads, group.output_floating) if o]
+        got = group.backward_kernels(*inputs, *floats)
+        res = [None] * group.n_inputs
+        for i, g in zip(group.trace.grad_inputs, got):
+            res[i] = g
+        return (None, *res)
+
+
+class FusedGroup(torch.nn.Module):
+    """A fusion group in the compiled graph: ``forward(*inputs)`` returns the group's outputs as a tuple.
+
+    Built from meta ``inputs`` (the layout the program will pass): the forward and backward kernels are
+    generated and imported here, so a group that cannot be lowered fails at compile time, not in a step.
+    """
+
+    def __init__(self, name: str, trace: GroupTrace, anchor: tuple, inputs: list):
+        super().__init__()
+        self.group_name, self.trace, self.anchor = name, trace, tuple(anchor)
+        self.n_inputs = len(inputs)
+        self.forward_kernels = Variants(trace.forward, anchor, f"{name}_fwd")
+        fwd = self.forward_kernels.get(inputs)
+        self.output_floating = tuple(o.dtype.is_floating_point for o in fwd.plan.outputs)
+        self.backward_kernels = None
+        self.saved: tuple = ()
+        if trace.backward is not None:
+            kinds = [None] * len(inputs) + [o.kind for o in fwd.plan.outputs if o.dtype.is_floating_point]
+            self.backward_kernels = Variants(trace.backward, anchor, f"{name}_bwd", kinds)
+            grads = [torch.empty(o.shape, dtype=o.dtype, device="meta")
+                     for o in fwd.plan.outputs if o.dtype.is_floating_point]
+            bwd = self.backward_kernels.get([*inputs, *grads])
+            self.saved = tuple(i for i in bwd.plan.used if i < len(inputs))
+
+    runs_without_comm = True     # runtime/bind.py binds no communicator to it
+
+    def forward(self, *inputs):
+        if any(isinstance(x, torch.Tensor) and x.is_meta for x in inputs):
+            return tuple(self.trace.forward(*inputs))   # shape propagation: the primitive graph on meta
+        return FusedFunction.apply(self, *inputs)
+
+    def kernels(self) -> list:
+        """Every kernel compiled so far (forward first)."""
+        return list(self.forward_kernels.kernels.values()) + \
+            (list(self.backward_kernels.kernels.values()) if self.backward_kernels else [])
+
+    def extra_repr(self):
+        return f"{self.group_name}: anchor {list(self.anchor)}, backward reads inputs {list(self.saved)}"
+
+
+def compile_group(fn, inputs: list, name: str = "group", backward: bool = True,
+                  grad_inputs: tuple | None = None) -> FusedGroup:
+    """A ``FusedGroup`` for ``fn(*inputs) -> tuple of tensors``, iterating over its largest output's shape
+    (what the fusion pass does for a group of graph nodes; tests and benchmarks call it on functions).
+    ``grad_inputs``: the inputs that need gradients (default: the floating-point ones)."""
+    from autoshard.kernels.trace import trace_group
+    metas = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta") for x in inputs]
+    with torch.no_grad():
+        outs = fn(*metas)
+    anchor = tuple(max(outs, key=lambda v: v.numel()).shape)
+    return FusedGroup(name, trace_group(fn, metas, backward, grad_inputs), anchor, metas)

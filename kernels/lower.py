@@ -1,0 +1,252 @@
+"""Lower a primitive graph (``kernels/trace.py``) to a ``KernelPlan``: the kernel as data.
+
+Every value lives in the anchor's ``[rows, cols]`` iteration space with one of these kinds:
+
+- ``full``: one element per (row, col), a ``[BLOCK_R, BLOCK_C]`` tile;
+- ``row``: one per row (a row reduction's result, a ``[..., 1]`` input), ``[BLOCK_R, 1]``;
+- ``col``: one per column (a LayerNorm weight, a bias), ``[1, BLOCK_C]``;
+- ``scalar``: a constant of the trace;
+- ``colsum``: a reduction over every row (a bias or norm weight's gradient). No kernel instance sees
+  every row, so each accumulates its rows' partial sums and stores them; the launcher adds the partials.
+  It can only be an output.
+
+Kinds propagate through the ops as Triton's broadcasting does, so the plan never guesses a layout from
+a shape. A graph the plan cannot express (a reduction over a middle dim, a view that moves the last
+dim) raises ``Unfusable`` with the op, and the fusion pass leaves that group unfused and says why.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autoshard.kernels import optable
+from autoshard.kernels.indexing import row_offset, to_triton
+
+FULL, ROW, COL, SCALAR, COLSUM = "full", "row", "col", "scalar", "colsum"
+
+
+class Unfusable(Exception):
+    """The group cannot be one kernel; the message names the op and the reason."""
+
+
+@dataclass(frozen=True)
+class KernelInput:
+    name: str
+    dtype: torch.dtype
+    kind: str
+    offset: str           # Triton expression of ``rows`` and ``cols``
+
+
+@dataclass(frozen=True)
+class KernelOutput:
+    name: str
+    dtype: torch.dtype
+    kind: str             # full, row or colsum
+    shape: tuple
+    value: str            # the body variable stored
+
+
+@dataclass(frozen=True)
+class Statement:
+    var: str
+    expr: str
+    accumulate: bool = False   # a colsum: ``var += expr`` across the instance's row blocks
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Everything codegen needs; its ``key`` names the generated file."""
+    template: str          # "pointwise" (tiles over columns) or "row" (whole rows: it reduces them)
+    rows: int
+    cols: int
+    inputs: tuple
+    outputs: tuple
+    body: tuple
+    wide_index: bool       # offsets reach 2**31: index in int64
+    compute: str           # "tl.float32", or "tl.float64" when an input is fp64 (gradcheck)
+    used: tuple            # which of the graph's inputs the kernel reads (the others are not passed)
+
+    @property
+    def key(self) -> str:
+        import hashlib
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:20]
+
+
+_JOIN = {frozenset({FULL}): FULL, frozenset({ROW}): ROW, frozenset({COL}): COL, frozenset({ROW, COL}): FULL}
+
+
+def _join(kinds) -> str:
+    ks = frozenset(k for k in kinds if k != SCALAR)
+    if COLSUM in ks:
+        raise Unfusable("a sum over every row is used inside the kernel (it is only complete after it)")
+    if not ks:
+        return SCALAR
+    return _JOIN.get(ks, FULL)
+
+
+def _literal(v) -> str:
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, float) and not math.isfinite(v):
+        return "float('nan')" if math.isnan(v) else ("float('inf')" if v > 0 else "float('-inf')")
+    if isinstance(v, (int, float)):
+        return repr(v)
+    raise Unfusable(f"operand {v!r} is neither a tensor nor a number")
+
+
+def _input(name, t: torch.Tensor, anchor: tuple, kind_hint: str | None) -> KernelInput:
+    """Offsets of an operand in the anchor's iteration space, from its own strides."""
+    rows = math.prod(anchor[:-1])
+    if t.dim() == 0:
+        return KernelInput(name, t.dtype, SCALAR, "0")
+    if kind_hint == ROW and tuple(t.shape) == tuple(anchor[:-1]):   # a row value kept without its dim
+        sizes, strides, col_stride = list(t.shape), list(t.stride()), 0
+    else:
+        pad = len(anchor) - t.dim()
+        if pad < 0:
+            raise Unfusable(f"operand of shape {tuple(t.shape)} has more dims than the anchor {anchor}")
+        sizes = [1] * pad + list(t.shape)
+        strides = [0] * pad + list(t.stride())
+        for d, (s, a) in enumerate(zip(sizes, anchor)):
+            if s == 1 and a != 1:
+                strides[d] = 0
+            elif s != a:
+                raise Unfusable(f"operand of shape {tuple(t.shape)} does not broadcast to {anchor}")
+        col_stride = strides[-1] if sizes[-1] != 1 else 0
+        sizes, strides = sizes[:-1], strides[:-1]
+    off = row_offset(anchor[:-1], strides, rows)
+    has_rows, has_cols = off != 0, col_stride != 0 or (anchor[-1] == 1)
+    kind = FULL if has_rows and has_cols else ROW if has_rows else COL if has_cols else SCALAR
+    text = " + ".join(p for p in (to_triton(off) if has_rows else "",
+                                  ("cols" if col_stride == 1 else f"cols * {col_stride}") if col_stride else "") if p)
+    return KernelInput(name, t.dtype, kind, text or "0")
+
+
+def _val(node: fx.Node) -> torch.Tensor:
+    return node.meta["val"]
+
+
+def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | None = None) -> KernelPlan:
+    """The plan for primitive graph ``gm`` run on ``inputs`` (tensors with the strides it will get)."""
+    anchor = tuple(anchor)
+    rows, cols = math.prod(anchor[:-1]), anchor[-1]
+    var: dict = {}           # node -> (expression name, kind, is boolean)
+    ins, body, outs = [], [], []
+    reduces_rows = False
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    used = tuple(i for i, n in enumerate(placeholders) if n.users)
+    for i in used:
+        n, t = placeholders[i], inputs[i]
+        ki = _input(f"in{len(ins)}", t, anchor, (input_kinds or [None] * len(inputs))[i])
+        var[n] = (f"x{len(ins)}", ki.kind, t.dtype == torch.bool)
+        ins.append(ki)
+
+    def operand(a):
+        if isinstance(a, fx.Node):
+            return var[a]
+        return (_literal(a), SCALAR, isinstance(a, bool))
+
+    seen: dict = {}          # expression -> variable: the traced backward repeats forward work
+
+    def emit(n, expr, kind, boolean=False, accumulate=False):
+        if not accumulate and expr in seen:
+            var[n] = (seen[expr], kind, boolean)
+            return
+        name = f"t{len(body)}"
+        body.append(Statement(name, expr, accumulate))
+        seen[expr] = name
+        var[n] = (name, kind, boolean)
+
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        target, mutated = _functional(n.target), None
+        if target is not n.target:    # x.add_(y) in a decomposition: later reads of x see the result
+            mutated = n.args[0]
+        if target is torch.ops.aten.pow.Tensor_Scalar:
+            base, exp = operand(n.args[0]), n.args[1]
+            form = optable.POW_EXPONENTS.get(exp)
+            if form is None:
+                raise Unfusable(f"pow with exponent {exp} (the table has {sorted(optable.POW_EXPONENTS)})")
+            emit(n, form.format(base[0]), base[1])
+        elif target in optable.POINTWISE:
+            row = optable.POINTWISE[target]
+            ops = [operand(a) for a in n.args[:row.arity]]
+            if row.expr == "{0}" and ops[0][1] == COLSUM:   # a cast of a bias gradient: the store casts
+                var[n] = ops[0]
+                continue
+            boolean = row.boolean or (target is torch.ops.aten._to_copy.default and n.kwargs.get("dtype") == torch.bool)
+            expr = row.expr.format(*[o[0] for o in ops])
+            if boolean and not row.boolean:
+                expr = f"({expr} != 0)"
+            emit(n, expr, _join(o[1] for o in ops), boolean)
+        elif target in optable.REDUCTIONS:
+            row = optable.REDUCTIONS[target]
+            src = operand(n.args[0])
+            rank = _val(n.args[0]).dim()
+            dims = sorted({d % rank for d in (n.args[1] if len(n.args) > 1 and n.args[1] is not None else range(rank))})
+            if src[1] != FULL:
+                raise Unfusable(f"{target} of a {src[1]} value")
+            masked = f"tl.where(mask, {src[0]}, {row.identity})"
+            if dims == [rank - 1]:
+                reduces_rows = True
+                emit(n, row.finish.format(f"{row.combine}({masked}, axis=1)[:, None]", n=cols), ROW)
+            elif dims == list(range(rank - 1)) and row.combine == "tl.sum" and row.finish == "{0}":
+                emit(n, f"tl.sum({masked}, axis=0)", COLSUM, accumulate=True)
+            else:
+                raise Unfusable(f"{target} over dims {dims} of a rank-{rank} value: only the last dim, or every "
+                                "dim but the last (a bias gradient), reduce in a kernel")
+        elif target in optable.VIEWS:
+            src = operand(n.args[0])
+            if src[1] == FULL:
+                shape = tuple(_val(n).shape)
+                if not shape or shape[-1] != cols or math.prod(shape) != rows * cols:
+                    raise Unfusable(f"{target} to {shape} moves the last dim of the [{rows}, {cols}] space")
+            var[n] = src
+        elif target in optable.CONSTANTS:
+            v = optable.CONSTANTS[target](n.args)
+            if isinstance(v, fx.Node):
+                var[n] = var[v]
+            else:
+                var[n] = (_literal(v), SCALAR, isinstance(v, bool))
+        else:
+            raise Unfusable(f"{target} has no row in kernels/optable.py")
+        if isinstance(mutated, fx.Node) and n in var:
+            var[mutated] = var[n]
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    for j, o in enumerate(out_node.args[0]):
+        if not isinstance(o, fx.Node):
+            raise Unfusable("an output that is not a tensor")
+        name, kind, _ = var[o]
+        if kind == SCALAR:
+            raise Unfusable("an output that is a constant")
+        if kind == COL:   # a per-column output (a broadcast input passed through): rare, not supported
+            raise Unfusable("an output with one value per column")
+        v = _val(o)
+        outs.append(KernelOutput(f"out{j}", v.dtype, kind, tuple(v.shape), name))
+    if reduces_rows and cols > MAX_ROW:
+        raise Unfusable(f"rows of {cols} elements are longer than the row template holds ({MAX_ROW})")
+    f64 = any(inputs[i].dtype == torch.float64 for i in used)
+    wide = any(inputs[i].numel() and _max_offset(inputs[i]) >= 2**31 for i in used) \
+        or rows * cols >= 2**31
+    return KernelPlan("row" if reduces_rows else "pointwise", rows, cols, tuple(ins), tuple(outs),
+                      tuple(body), wide, "tl.float64" if f64 else "tl.float32", used)
+
+
+def _functional(target):
+    """``aten.add_.Scalar`` -> ``aten.add.Scalar`` when the table has the out-of-place op; else ``target``."""
+    packet = getattr(target, "overloadpacket", None)
+    if packet is None or not packet.__name__.endswith("_"):
+        return target
+    pure = getattr(getattr(torch.ops.aten, packet.__name__[:-1], None), target._overloadname, None)
+    return pure if pure is not None and optable.supported(pure) else target
+
+
+MAX_ROW = 32768     # the row template holds a whole row in one tile
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    return sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
