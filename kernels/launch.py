@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from autoshard.kernels import codegen
 from autoshard.kernels.cache import load_source
-from autoshard.kernels.lower import COLSUM, KernelPlan, lower
+from autoshard.kernels.lower import ALIAS, COLSUM, KernelPlan, lower
 from autoshard.kernels.trace import GroupTrace
 
 MAX_PROGRAMS = 1024      # instances that keep colsum partials (the launcher adds this many rows)
@@ -74,15 +74,21 @@ class Kernel:
         self.plan, self.label = plan, label
         # named by the plan alone: two groups with the same plan (every layer's) share one file
         self.name = self.module_name = f"autoshard_{plan.template}_{plan.key}"
-        self.source = codegen.render(plan, self.name)
-        self.fn = getattr(load_source(self.module_name, self.source), self.name)
+        self.source, self.fn = "", None
+        if plan.used:           # else every output is an input handed back: nothing to generate
+            self.source = codegen.render(plan, self.name)
+            self.fn = getattr(load_source(self.module_name, self.source), self.name)
 
     def __call__(self, *inputs) -> list:
         plan = self.plan
+        if not plan.used:     # nothing to compute: every output is an input handed back
+            return [inputs[o.alias].view(o.shape) if o.alias is not None else None for o in plan.outputs]
         shape = launch_shape(plan, interpreting() or not inputs[plan.used[0]].is_cuda)
         device = inputs[plan.used[0]].device
         outs, partials = [], []
         for o in plan.outputs:
+            if o.kind == ALIAS:
+                continue
             if o.kind == COLSUM:
                 acc = torch.float64 if plan.compute == "tl.float64" else torch.float32
                 partials.append(torch.empty((shape.grid[0], plan.cols), dtype=acc, device=device))
@@ -93,8 +99,17 @@ class Kernel:
         with _INTERPRETER_LOCK if interpreting() else contextlib.nullcontext():
             self.fn[shape.grid](*args, *outs, ITERS=shape.iters, BLOCK_R=shape.block_r, BLOCK_C=shape.block_c,
                                 num_warps=shape.num_warps)
-        return [out.sum(0).to(o.dtype).view(o.shape) if o.kind == COLSUM else out
-                for o, out in zip(plan.outputs, outs)]
+        made, results = iter(outs), []
+        for o in plan.outputs:
+            if o.kind != ALIAS:
+                results.append(_finish(o, next(made)))
+            else:
+                results.append(results[o.same_as] if o.same_as is not None else inputs[o.alias].view(o.shape))
+        return results
+
+
+def _finish(o, out):
+    return out.sum(0).to(o.dtype).view(o.shape) if o.kind == COLSUM else out
 
 
 def _layout(x):
@@ -174,9 +189,10 @@ class FusedGroup(torch.nn.Module):
         return FusedFunction.apply(self, *inputs)
 
     def kernels(self) -> list:
-        """Every kernel compiled so far (forward first)."""
-        return list(self.forward_kernels.kernels.values()) + \
+        """Every kernel generated so far (forward first); a pass-through (no work) generates none."""
+        every = list(self.forward_kernels.kernels.values()) + \
             (list(self.backward_kernels.kernels.values()) if self.backward_kernels else [])
+        return [k for k in every if k.fn is not None]
 
     def extra_repr(self):
         return f"{self.group_name}: anchor {list(self.anchor)}, backward reads inputs {list(self.saved)}"

@@ -16,7 +16,9 @@ dim) raises ``Unfusable`` with the op, and the fusion pass leaves that group unf
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +27,7 @@ import torch.fx as fx
 from autoshard.kernels import optable
 from autoshard.kernels.indexing import row_offset, to_triton
 
-FULL, ROW, COL, SCALAR, COLSUM = "full", "row", "col", "scalar", "colsum"
+FULL, ROW, COL, SCALAR, COLSUM, ALIAS = "full", "row", "col", "scalar", "colsum", "alias"
 
 
 class Unfusable(Exception):
@@ -34,19 +36,22 @@ class Unfusable(Exception):
 
 @dataclass(frozen=True)
 class KernelInput:
-    name: str
+    name: str             # the pointer argument
     dtype: torch.dtype
     kind: str
     offset: str           # Triton expression of ``rows`` and ``cols``
+    var: str = ""         # the body variable it is loaded into
 
 
 @dataclass(frozen=True)
 class KernelOutput:
     name: str
     dtype: torch.dtype
-    kind: str             # full, row or colsum
+    kind: str             # full, row, colsum, or alias (an input returned as it is: no store)
     shape: tuple
     value: str            # the body variable stored
+    alias: int | None = None   # for an alias: which graph input
+    same_as: int | None = None  # for an alias: which earlier output (two gradients of one value)
 
 
 @dataclass(frozen=True)
@@ -137,12 +142,11 @@ def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | N
     ins, body, outs = [], [], []
     reduces_rows = False
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    used = tuple(i for i, n in enumerate(placeholders) if n.users)
-    for i in used:
-        n, t = placeholders[i], inputs[i]
-        ki = _input(f"in{len(ins)}", t, anchor, (input_kinds or [None] * len(inputs))[i])
-        var[n] = (f"x{len(ins)}", ki.kind, t.dtype == torch.bool)
-        ins.append(ki)
+    for i, n in enumerate(placeholders):
+        if n.users:
+            ki = _input(f"in{i}", inputs[i], anchor, (input_kinds or [None] * len(inputs))[i])
+            ins.append(dataclasses.replace(ki, var=f"x{i}"))
+            var[n] = (f"x{i}", ki.kind, inputs[i].dtype == torch.bool)
 
     def operand(a):
         if isinstance(a, fx.Node):
@@ -226,7 +230,21 @@ def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | N
         if kind == COL:   # a per-column output (a broadcast input passed through): rare, not supported
             raise Unfusable("an output with one value per column")
         v = _val(o)
+        src = next((i for i, p in enumerate(placeholders) if var.get(p, (None,))[0] == name), None)
+        if src is not None and inputs[src].dtype == v.dtype and inputs[src].numel() == v.numel():
+            # a gradient that passes through unchanged (a residual add's): hand the tensor back, as autograd does
+            outs.append(KernelOutput(f"out{j}", v.dtype, ALIAS, tuple(v.shape), name, src))
+            continue
+        twin = next((k for k, p in enumerate(outs) if p.value == name and p.kind == kind and p.dtype == v.dtype
+                     and p.shape == tuple(v.shape) and p.kind != ALIAS), None)
+        if twin is not None:   # x + r: both inputs' gradients are one tensor, stored once
+            outs.append(KernelOutput(f"out{j}", v.dtype, ALIAS, tuple(v.shape), name, same_as=twin))
+            continue
         outs.append(KernelOutput(f"out{j}", v.dtype, kind, tuple(v.shape), name))
+    # the inputs the stores need: an input only handed back is not loaded
+    text = " ".join([s.expr for s in body] + [o.value for o in outs if o.kind != ALIAS])
+    ins = [x for x in ins if re.search(rf"\b{x.var}\b", text)]
+    used = tuple(int(x.name[2:]) for x in ins)   # may be empty: every output handed back (a no-op)
     if reduces_rows and cols > MAX_ROW:
         raise Unfusable(f"rows of {cols} elements are longer than the row template holds ({MAX_ROW})")
     f64 = any(inputs[i].dtype == torch.float64 for i in used)

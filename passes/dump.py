@@ -16,6 +16,7 @@ from autoshard.ir import meta as M
 from autoshard.ir.program import comm_summary
 from autoshard.ir.redistribute import volume
 from autoshard.passes.cost import symbolize
+from autoshard.passes.dump_fusion import fusion_section, write_kernels
 from autoshard.passes.shapes import shape_of
 
 aten = torch.ops.aten
@@ -210,5 +211,8 @@ def write_plan(program, dump_dir):
               f"ILP on {report.axis}={report.size}: {report.variables} variables, solved in "
               f"{report.solve_seconds:.3f} s, objective {report.objective:.3e} s/step"]
     L += ["Pass timings: " + ", ".join(f"{k} {v:.3f} s" for k, v in program.timings.items()), ""]
+    fusion = program.gm.meta.get(M.FUSION_REPORT)
+    L += fusion_section(fusion)
+    write_kernels(fusion, dump_dir)
     with open(os.path.join(dump_dir, "plan.md"), "w") as f:
         f.write("\n".join(L))

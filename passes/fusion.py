@@ -27,9 +27,6 @@ from torch.fx.passes.utils.fuser_utils import erase_nodes, fuse_as_graphmodule, 
 from autoshard.ir import meta as M
 from autoshard.ir.fusion import FusionGroup, FusionReport, KernelRecord, Unfused
 
-FUSION_REPORT = "autoshard_fusion_report"
-
-
 class FusionUnavailable(RuntimeError):
     """``fuse=True`` where no Triton kernel can run."""
 
@@ -165,7 +162,7 @@ def _bytes(vals) -> int:
     return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
 
 
-def _graph_bytes(gm: fx.GraphModule) -> int:
+def graph_bytes(gm: fx.GraphModule) -> int:
     """What a graph's ops read and write when each runs as its own kernel (views move nothing)."""
     total = 0
     for n in gm.graph.nodes:
@@ -180,10 +177,11 @@ def _graph_bytes(gm: fx.GraphModule) -> int:
     return total
 
 
-def _kernel_bytes(kernel, inputs) -> int:
+def kernel_bytes(kernel, inputs) -> int:
+    """What a generated kernel reads (the operands it uses) and writes (its outputs)."""
     plan = kernel.plan
     return _bytes(inputs[i] for i in plan.used) + sum(
-        math.prod(o.shape) * o.dtype.itemsize for o in plan.outputs)
+        math.prod(o.shape) * o.dtype.itemsize for o in plan.outputs if o.kind != "alias")
 
 
 def fuse_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -192,7 +190,7 @@ def fuse_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     from autoshard.kernels.trace import eager_backward_graph, trace_group
     enabled, why = _decide(ctx.options.fuse)
     report = FusionReport(enabled, why)
-    gm.meta[FUSION_REPORT] = report
+    gm.meta[M.FUSION_REPORT] = report
     if not enabled:
         return gm
     eligible = _Eligibility()
@@ -220,12 +218,12 @@ def fuse_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         bwd_eager = bwd_fused = 0
         if trace.backward is not None:
             grads = [torch.empty(o.shape, dtype=o.dtype, device="meta") for o in fwd.plan.outputs]
-            bwd_eager = _graph_bytes(eager_backward_graph(sub, metas))
-            bwd_fused = _kernel_bytes(module.backward_kernels.get([*metas, *grads]), [*metas, *grads])
+            bwd_eager = graph_bytes(eager_backward_graph(sub, metas))
+            bwd_fused = kernel_bytes(module.backward_kernels.get([*metas, *grads]), [*metas, *grads])
         report.groups.append(FusionGroup(
             name, names, tuple(str(n.target) for n in nodes), anchor, tuple(a.name for a in ins),
             tuple(o.name for o in outs), tuple(ins[i].name for i in module.saved), eager,
-            _kernel_bytes(fwd, metas), bwd_eager, bwd_fused, tuple(kernels)))
+            kernel_bytes(fwd, metas), bwd_eager, bwd_fused, tuple(kernels)))
         insert_subgm(gm, sub, ins, outs, nodes[-1])
         erase_nodes(gm, nodes)
         setattr(gm, name, module)     # the GraphModule insert_subgm added gives way to the kernels

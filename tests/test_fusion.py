@@ -19,8 +19,10 @@ pytest.importorskip("triton")
 # masked lanes (padding columns, -1e4 scores) overflow in numpy inside the interpreter; they are never stored
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
+from autoshard.ir import meta as M  # noqa: E402
 from autoshard.kernels.launch import compile_group, launch_shape  # noqa: E402
 from autoshard.kernels.lower import Unfusable  # noqa: E402
+from benchmarks import fusion_patterns as fp  # noqa: E402
 
 B, S, H = 2, 5, 37          # odd sizes: nothing is a power of two
 
@@ -31,71 +33,29 @@ def kernel_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def _gelu_bias(x, b):
-    return (F.gelu(x + b, approximate="tanh"),)
+BY_NAME = {p.name: p for p in fp.PATTERNS}
+PATTERNS = list(BY_NAME)
 
 
-def _bias_dropout_residual(x, b, r):
-    return (r + F.dropout(x + b, 0.0, True),)
-
-
-def _scale_mask_softmax(s, m):
-    return (torch.softmax(torch.where(m, s * 0.125, -1e4), -1),)
-
-
-def _swiglu(a, c):
-    return (F.silu(a) * c,)
-
-
-def _residual_layer_norm(x, r, w, b):
-    y = x + r
-    return y, F.layer_norm(y, (y.shape[-1],), w, b)
-
-
-def _rms_norm(x, w):
-    return (F.rms_norm(x, (x.shape[-1],), w, 1e-6),)
-
-
-def _rope_free_scale(x, cos):      # a [S, H] table broadcast over the batch (rotary's cos term)
-    return (x * cos + x,)
-
-
-NO_GRAD = {"table_broadcast": (0,)}     # the table is an input-only value: it carries no gradient
+def _inputs(pattern, dtype=torch.float32):
+    return BY_NAME[pattern].fn, fp.operands(pattern, B, S, H, heads=3, dtype=dtype)
 
 
 def _group(pattern, fn, ins):
-    return compile_group(fn, ins, pattern, grad_inputs=NO_GRAD.get(pattern))
+    return compile_group(fn, ins, pattern, grad_inputs=BY_NAME[pattern].grad_inputs)
 
 
-def _inputs(pattern, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
-
-    mask = torch.rand(1, 1, S, S, generator=g) > 0.3
-    return {
-        "bias_gelu": (_gelu_bias, [r(B, S, H), r(H)]),
-        "bias_dropout_residual": (_bias_dropout_residual, [r(B, S, H), r(H), r(B, S, H)]),
-        "scale_mask_softmax": (_scale_mask_softmax, [r(B, 3, S, S), mask]),
-        "swiglu": (_swiglu, [r(B, S, H), r(B, S, H)]),
-        "residual_layer_norm": (_residual_layer_norm, [r(B, S, H), r(B, S, H), r(H), r(H)]),
-        "rms_norm": (_rms_norm, [r(B, S, H), r(H)]),
-        "table_broadcast": (_rope_free_scale, [r(B, S, H), r(S, H)]),
-    }[pattern]
-
-
-PATTERNS = ["bias_gelu", "bias_dropout_residual", "scale_mask_softmax", "swiglu", "residual_layer_norm",
-            "rms_norm", "table_broadcast"]
+def _wants(pattern, ins):
+    wants = BY_NAME[pattern].grad_inputs
+    return [x.is_floating_point() and (wants is None or i in wants) for i, x in enumerate(ins)]
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_fp32_forward_and_backward_match_eager(pattern):
     fn, ins = _inputs(pattern)
     group = _group(pattern, fn, ins)
-    wants = NO_GRAD.get(pattern, range(len(ins)))
-    leaves = [x.clone().requires_grad_(x.is_floating_point() and i in wants) for i, x in enumerate(ins)]
-    refs = [x.clone().requires_grad_(x.is_floating_point() and i in wants) for i, x in enumerate(ins)]
+    leaves = [x.clone().requires_grad_(w) for x, w in zip(ins, _wants(pattern, ins))]
+    refs = [x.clone().requires_grad_(w) for x, w in zip(ins, _wants(pattern, ins))]
     out, ref = group(*leaves), fn(*refs)
     for o, e in zip(out, ref):
         torch.testing.assert_close(o, e, atol=1e-5, rtol=1e-5)
@@ -107,10 +67,10 @@ def test_fp32_forward_and_backward_match_eager(pattern):
             torch.testing.assert_close(a.grad, e.grad, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("pattern", ["bias_gelu", "residual_layer_norm", "rms_norm", "scale_mask_softmax"])
+@pytest.mark.parametrize("pattern", ["bias_gelu", "residual_layer_norm", "residual_rms_norm", "scale_mask_softmax"])
 def test_bf16_within_1e2_of_fp64(pattern):
     fn, ins = _inputs(pattern, torch.bfloat16)
-    out = compile_group(fn, ins, pattern)(*ins)
+    out = _group(pattern, fn, ins)(*ins)
     ref = fn(*[x.double() if x.is_floating_point() else x for x in ins])
     for o, e in zip(out, ref):
         assert o.dtype == torch.bfloat16            # computed in fp32, cast at the store
@@ -122,16 +82,15 @@ def test_bf16_within_1e2_of_fp64(pattern):
 def test_gradcheck_fp64(pattern):
     fn, ins = _inputs(pattern, torch.float64)
     group = _group(pattern, fn, ins)
-    wants = NO_GRAD.get(pattern, range(len(ins)))
-    leaves = [x.clone().requires_grad_(x.is_floating_point() and i in wants) for i, x in enumerate(ins)]
+    leaves = [x.clone().requires_grad_(w) for x, w in zip(ins, _wants(pattern, ins))]
     assert torch.autograd.gradcheck(lambda *xs: group(*xs), leaves, fast_mode=True)
 
 
 def test_non_contiguous_operands_compile_their_own_variant():
     x = torch.randn(B, H, S).transpose(1, 2)         # strides (S*H, 1, S)
     b = torch.randn(H)
-    group = compile_group(_gelu_bias, [x.contiguous(), b], "bias_gelu")
-    torch.testing.assert_close(group(x, b)[0], _gelu_bias(x, b)[0], atol=1e-5, rtol=1e-5)
+    group = compile_group(fp.bias_gelu, [x.contiguous(), b], "bias_gelu")
+    torch.testing.assert_close(group(x, b)[0], fp.bias_gelu(x, b)[0], atol=1e-5, rtol=1e-5)
     layouts = {k[0][1] for k in group.forward_kernels.kernels}
     assert (S * H, H, 1) in layouts and (S * H, 1, S) in layouts
     strided = [k for k in group.forward_kernels.kernels.values() if k.plan.inputs[0].offset != "37*rows + cols"]
@@ -196,7 +155,7 @@ def _report(model, args=(), kwargs=None, t=2, **options):
     from autoshard.ir.mesh import MeshSpec
     prog = autoshard.compile_rank(model, MeshSpec(tp=t), 0, args, kwargs,
                                   options=autoshard.CompileOptions(fuse=True, **options))
-    return prog, prog.gm.meta["autoshard_fusion_report"]
+    return prog, prog.gm.meta[M.FUSION_REPORT]
 
 
 def test_gpt_layer_kernel_count():
@@ -259,9 +218,32 @@ def test_fuse_auto_is_off_on_cpu_and_fuse_true_without_a_backend_says_how(monkey
     from autoshard.passes.fusion import FusionUnavailable
     model, args = _gpt(layers=1)
     prog = autoshard.compile_rank(model, {"tp": 2}, 0, args, options=autoshard.CompileOptions(fuse="auto"))
-    report = prog.gm.meta["autoshard_fusion_report"]
+    report = prog.gm.meta[M.FUSION_REPORT]
     assert not report.enabled and "CUDA" in report.why
     assert not any(n.target.startswith("fused_") for n in prog.gm.graph.nodes if n.op == "call_module")
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(FusionUnavailable, match="TRITON_INTERPRET=1"):
         autoshard.compile_rank(model, {"tp": 2}, 0, args, options=autoshard.CompileOptions(fuse=True))
+
+
+def test_plan_md_has_a_fusion_table_and_the_kernel_sources(tmp_path):
+    model, args = _gpt(layers=1)
+    prog, report = _report(model, args, dump=str(tmp_path))
+    plan = (tmp_path / "rank0" / "plan.md").read_text() if (tmp_path / "rank0").exists() else \
+        (tmp_path / "plan.md").read_text()
+    assert "## Fusion" in plan and "| fused_" in plan and "saved for backward" in plan
+    assert "Left to eager ops" in plan and "gelu: moves" in plan
+    sources = list(tmp_path.rglob("kernels/*.py"))
+    assert len(sources) == report.kernel_count
+    assert all("@triton.jit" in p.read_text() for p in sources)
+
+
+def test_benchmark_on_cpu_counts_bytes_and_says_timings_need_a_gpu(tmp_path):
+    from benchmarks import fusion as bench
+    res = bench.main(["--rows", "64", "--seq", "16", "--hidden", "48", "--heads", "2", "--no-loss",
+                      "--out", str(tmp_path)])
+    assert not res["gpu"] and len(res["patterns"]) == len(PATTERNS)
+    for row in res["patterns"]:
+        assert 0 < row["fused_fwd_bytes"] < row["eager_fwd_bytes"], row
+        assert row["fused_bwd_bytes"] <= row["eager_bwd_bytes"], row
+    assert "need one" in (tmp_path / "fusion_results.md").read_text()
