@@ -156,6 +156,9 @@ def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | N
     seen: dict = {}          # expression -> variable: the traced backward repeats forward work
 
     def emit(n, expr, kind, boolean=False, accumulate=False):
+        if not accumulate and re.fullmatch(r"[tx]\d+", expr):   # a cast or copy: the same variable
+            var[n] = (expr, kind, boolean)
+            return
         if not accumulate and expr in seen:
             var[n] = (seen[expr], kind, boolean)
             return
@@ -210,6 +213,11 @@ def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | N
                 if not shape or shape[-1] != cols or math.prod(shape) != rows * cols:
                     raise Unfusable(f"{target} to {shape} moves the last dim of the [{rows}, {cols}] space")
             var[n] = src
+        elif target in optable.RANDOM:
+            seed, shape, p, stream = n.args
+            if math.prod(shape) != rows * cols:
+                raise Unfusable(f"a dropout mask of shape {list(shape)} in the [{rows}, {cols}] space")
+            emit(n, optable.RANDOM[target](operand(seed)[0], stream, p).format(n=cols), FULL)
         elif target in optable.CONSTANTS:
             v = optable.CONSTANTS[target](n.args)
             if isinstance(v, fx.Node):

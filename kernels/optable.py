@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from autoshard.kernels.rng import dropout_expr
+
 aten, prims = torch.ops.aten, torch.ops.prims
 
 
@@ -127,7 +129,11 @@ CONSTANTS = {
 }
 
 
+# a dropout mask recomputable from (seed, stream, element index): kernels/rng.py
+RANDOM = {torch.ops.autoshard.dropout_keep.default: dropout_expr}
+
+
 def supported(target) -> bool:
     """Whether the code generator can emit ``target`` (a primitive, after decomposition)."""
     return (target in POINTWISE or target in REDUCTIONS or target in VIEWS or target in CONSTANTS
-            or target is aten.pow.Tensor_Scalar)
+            or target in RANDOM or target is aten.pow.Tensor_Scalar)

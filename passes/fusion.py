@@ -26,6 +26,7 @@ from torch.fx.passes.utils.fuser_utils import erase_nodes, fuse_as_graphmodule, 
 
 from autoshard.ir import meta as M
 from autoshard.ir.fusion import FusionGroup, FusionReport, KernelRecord, Unfused
+from autoshard.passes.dropout_rng import rewrite_dropout
 
 class FusionUnavailable(RuntimeError):
     """``fuse=True`` where no Triton kernel can run."""
@@ -193,6 +194,7 @@ def fuse_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     gm.meta[M.FUSION_REPORT] = report
     if not enabled:
         return gm
+    report.unfused += [Unfused((name,), why) for name, why in rewrite_dropout(gm, ctx.mesh.axis_size("tp"))]
     eligible = _Eligibility()
     for k, nodes in enumerate(partition(gm, eligible)):
         name = f"fused_{k}"

@@ -247,3 +247,71 @@ def test_benchmark_on_cpu_counts_bytes_and_says_timings_need_a_gpu(tmp_path):
         assert 0 < row["fused_fwd_bytes"] < row["eager_fwd_bytes"], row
         assert row["fused_bwd_bytes"] <= row["eager_bwd_bytes"], row
     assert "need one" in (tmp_path / "fusion_results.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# dropout inside the kernels: a mask from (seed, stream, element index)
+
+
+def _dropout_gpt():
+    """GPT with dropout 0.1 on the embedding, the residual branches and the MLP; the attention's own
+    dropout (inside sdpa, on tp-sharded heads) at 0."""
+    from autoshard.models.gpt import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=96, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.1))
+    for block in model.transformer.h:
+        block.attn.dropout = 0.0
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    return model, (ids, ids.roll(-1, 1))
+
+
+def _tp_dropout_rank(rank, world, seed):
+    import autoshard
+    model, args = _dropout_gpt()
+    pm = autoshard.parallelize(model, autoshard.init_mesh(tp=world), args, fuse=True)
+    torch.manual_seed(seed)                   # every rank alike, as Megatron's ranks are
+    _, loss = pm(*args)
+    loss.backward()
+    # numpy arrays travel back by value (a tensor would go through shared memory the rank has left)
+    return float(loss.detach()), {n: pm.gather(n, p.grad).numpy() for n, p in pm.local_parameters().items()}
+
+
+def test_dropout_masks_match_across_tp_ranks_and_the_single_device_program():
+    """The masks are a function of the seed and the element's place in the (replicated) activation, so
+    tp=2 over gloo gives the tp=1 program's loss and gradients exactly, dropout and all."""
+    from tests.distributed import run_distributed
+    from tests.simulate import simulate
+    model, args = _dropout_gpt()
+    torch.manual_seed(7)
+    (single,) = simulate(model, 1, args, loss_fn=lambda o: o[1], fuse=True)
+    torch.manual_seed(8)
+    (other,) = simulate(model, 1, args, loss_fn=lambda o: o[1], fuse=True)
+    torch.manual_seed(7)
+    (no_dropout,) = simulate(model.eval(), 1, args, loss_fn=lambda o: o[1], fuse=True)
+    losses = [float(r[0][1].detach()) for r in (single, other, no_dropout)]
+    assert len(set(losses)) == 3                      # the masks do something, and depend on the seed
+    ranks = run_distributed(_tp_dropout_rank, 2, 7, timeout=240)
+    for loss, grads in ranks:
+        assert loss == pytest.approx(losses[0], rel=1e-6)
+        for name, g in grads.items():
+            torch.testing.assert_close(torch.from_numpy(g), single[1][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_dropout_kernel_recomputes_its_mask_in_backward():
+    from autoshard.kernels.rng import dropout_keep
+
+    def fn(x, seed):
+        return (x * dropout_keep(seed, list(x.shape), 0.25, 3).to(x.dtype),)
+
+    x, seed = torch.randn(64, 200), torch.tensor(1234)
+    group = compile_group(fn, [x, seed], "dropout", grad_inputs=(0,))
+    leaf = x.clone().requires_grad_()
+    (y,) = group(leaf, seed)
+    y.backward(torch.ones_like(y))
+    kept = y != 0
+    assert 0.7 < kept.float().mean() < 0.8                                # p = 0.25
+    torch.testing.assert_close(y[kept], x[kept] / 0.75)
+    torch.testing.assert_close(leaf.grad, kept.float() / 0.75)            # the same mask, drawn again
+    assert torch.equal(group(x, seed)[0], y.detach())                     # reproducible from the seed
+    assert not torch.equal(group(x, torch.tensor(99))[0], y.detach())
+    assert group.saved == (1,)                                            # only the seed is kept
