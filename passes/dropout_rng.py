@@ -43,7 +43,11 @@ def rewrite_dropout(gm: fx.GraphModule, tp: int) -> list:
         val = M.LOCAL_VAL.get(x)
         with gm.graph.inserting_before(n):
             if seed is None:
-                seed = gm.graph.call_function(draw_seed, (x,))
+                # drawn beside a parameter, not the activation: a value of parameters alone is recomputed by
+                # each pipeline chunk that needs it, where one computed from an activation could not cross a cut
+                like = next((a for a in gm.graph.nodes if a.op == "placeholder" and M.KIND.get(a, None) == "parameter"),
+                            x)
+                seed = gm.graph.call_function(draw_seed, (like,))
                 M.LOCAL_VAL.set(seed, torch.empty((), dtype=torch.int64, device="meta"))
                 M.REQUIRES_GRAD.set(seed, False)
             keep = gm.graph.call_function(torch.ops.autoshard.dropout_keep.default, (seed, list(val.shape), p, stream))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -25,6 +26,7 @@ from torch.fx.passes.tools_common import stable_topological_sort
 from torch.fx.passes.utils.fuser_utils import erase_nodes, fuse_as_graphmodule, insert_subgm, validate_partition
 
 from autoshard.ir import meta as M
+from autoshard.ir.pipeline import STAGE_PLAN
 from autoshard.ir.fusion import FusionGroup, FusionReport, KernelRecord, Unfused
 from autoshard.passes.dropout_rng import rewrite_dropout
 
@@ -131,9 +133,10 @@ def _joins(a: tuple, b: tuple) -> tuple | None:
     return (a[0], max(a[1], b[1]))
 
 
-def partition(gm: fx.GraphModule, eligible) -> list:
+def partition(gm: fx.GraphModule, eligible, cuts=frozenset()) -> list:
     """Groups of candidate nodes: a node joins its producer's group when their spaces join and the union
-    stays convex. Returns lists of nodes in graph order."""
+    stays convex. A node in ``cuts`` (a pipeline boundary) ends its group: what reads it is on the next
+    stage. Returns lists of nodes in graph order."""
     group: dict = {}
     members: dict = {}
     space: dict = {}
@@ -142,7 +145,7 @@ def partition(gm: fx.GraphModule, eligible) -> list:
             continue
         group[n], members[n], space[n] = n, [n], _space(n)
         for p in n.all_input_nodes:
-            if p not in group:
+            if p not in group or p.name in cuts:
                 continue
             a, b = group[p], group[n]
             joined = _joins(space[a], space[b])
@@ -185,50 +188,95 @@ def kernel_bytes(kernel, inputs) -> int:
         math.prod(o.shape) * o.dtype.itemsize for o in plan.outputs if o.kind != "alias")
 
 
-def fuse_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+@dataclass
+class _Built:
+    """A group that lowered: what the graph surgery and the report need."""
+    nodes: list
+    sub: fx.GraphModule
+    ins: tuple
+    outs: tuple
+    metas: list
+    module: object
+    eager: int
+
+
+def _build(gm: fx.GraphModule, nodes: list, name: str) -> _Built:
+    """Trace and generate one group; ``Unfusable`` says why it cannot be one (or is not worth it)."""
     from autoshard.kernels.launch import FusedGroup
     from autoshard.kernels.lower import Unfusable
-    from autoshard.kernels.trace import eager_backward_graph, trace_group
+    from autoshard.kernels.trace import trace_group
+    sub, ins, outs = fuse_as_graphmodule(gm, nodes, name, always_return_tuple=True)
+    metas = [_val(a) for a in ins]
+    eager = sum(_bytes([_val(a) for a in n.all_input_nodes] + [_val(n)]) for n in nodes)
+    fused = _bytes(metas) + _bytes([_val(o) for o in outs])
+    if fused >= eager:
+        raise Unfusable(f"moves {fused} bytes fused, {eager} as eager ops: nothing to gain")
+    grad_inputs = tuple(i for i, (a, v) in enumerate(zip(ins, metas))
+                        if v.is_floating_point() and M.REQUIRES_GRAD.get(a, True))
+    trace = trace_group(sub, metas, bool(grad_inputs), grad_inputs)
+    anchor = tuple(max([_val(n) for n in nodes] + metas, key=lambda v: v.numel()).shape)
+    return _Built(nodes, sub, ins, outs, metas, FusedGroup(name, trace, anchor, metas), eager)
+
+
+def _build_largest(gm: fx.GraphModule, nodes: list, name: str) -> tuple:
+    """The group, or failing that its longest run without a few nodes at either end (an embedding's
+    broadcast add whose gradient would need a reduction over the batch, say): (built or None, reasons)."""
+    from autoshard.kernels.lower import Unfusable
+    tries = [nodes] + [nodes[i:] for i in range(1, min(4, len(nodes)))] + \
+        [nodes[:-i] for i in range(1, min(4, len(nodes)))]
+    reasons = []
+    for part in tries:
+        if len(part) < 1 or (part is not nodes and not validate_partition(part)):
+            continue
+        try:
+            return _build(gm, part, name), reasons
+        except Unfusable as e:
+            reasons.append(Unfused(tuple(n.name for n in part), str(e)))
+    return None, reasons
+
+
+def _record(built: _Built, name: str):
+    from autoshard.kernels.trace import eager_backward_graph
+    module, metas = built.module, built.metas
+    fwd = module.forward_kernels.get(metas)
+    kernels = [KernelRecord(k.name, k.plan.template, f"{k.module_name}.py", k.source) for k in module.kernels()]
+    bwd_eager = bwd_fused = 0
+    if module.backward_kernels is not None:
+        grads = [torch.empty(o.shape, dtype=o.dtype, device="meta") for o in fwd.plan.outputs]
+        bwd_eager = graph_bytes(eager_backward_graph(built.sub, metas))
+        bwd_fused = kernel_bytes(module.backward_kernels.get([*metas, *grads]), [*metas, *grads])
+    return FusionGroup(
+        name, tuple(n.name for n in built.nodes), tuple(str(n.target) for n in built.nodes), module.anchor,
+        tuple(a.name for a in built.ins), tuple(o.name for o in built.outs),
+        tuple(built.ins[i].name for i in module.saved), built.eager, kernel_bytes(fwd, metas), bwd_eager,
+        bwd_fused, tuple(kernels))
+
+
+def fuse_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     enabled, why = _decide(ctx.options.fuse)
     report = FusionReport(enabled, why)
     gm.meta[M.FUSION_REPORT] = report
     if not enabled:
         return gm
     report.unfused += [Unfused((name,), why) for name, why in rewrite_dropout(gm, ctx.mesh.axis_size("tp"))]
-    eligible = _Eligibility()
-    for k, nodes in enumerate(partition(gm, eligible)):
+    stages = gm.meta.get(STAGE_PLAN)
+    cuts = frozenset(stages.boundaries) if stages is not None else frozenset()
+    renamed: dict = {}
+    for k, nodes in enumerate(partition(gm, _Eligibility(), cuts)):
         name = f"fused_{k}"
-        sub, ins, outs = fuse_as_graphmodule(gm, nodes, name, always_return_tuple=True)
-        metas = [_val(a) for a in ins]
-        eager = sum(_bytes([_val(a) for a in n.all_input_nodes] + [_val(n)]) for n in nodes)
-        fused = _bytes(metas) + _bytes([_val(o) for o in outs])
-        names = tuple(n.name for n in nodes)
-        if fused >= eager:
-            report.unfused.append(Unfused(names, f"moves {fused} bytes fused, {eager} as eager ops: nothing to gain"))
+        built, reasons = _build_largest(gm, nodes, name)
+        report.unfused += reasons
+        if built is None:
             continue
-        grad_inputs = tuple(i for i, (a, v) in enumerate(zip(ins, metas))
-                            if v.is_floating_point() and M.REQUIRES_GRAD.get(a, True))
-        try:
-            trace = trace_group(sub, metas, bool(grad_inputs), grad_inputs)
-            anchor = tuple(max([_val(n) for n in nodes] + metas, key=lambda v: v.numel()).shape)
-            module = FusedGroup(name, trace, anchor, metas)
-        except Unfusable as e:
-            report.unfused.append(Unfused(names, str(e)))
-            continue
-        fwd = module.forward_kernels.get(metas)
-        kernels = [KernelRecord(k.name, k.plan.template, f"{k.module_name}.py", k.source) for k in module.kernels()]
-        bwd_eager = bwd_fused = 0
-        if trace.backward is not None:
-            grads = [torch.empty(o.shape, dtype=o.dtype, device="meta") for o in fwd.plan.outputs]
-            bwd_eager = graph_bytes(eager_backward_graph(sub, metas))
-            bwd_fused = kernel_bytes(module.backward_kernels.get([*metas, *grads]), [*metas, *grads])
-        report.groups.append(FusionGroup(
-            name, names, tuple(str(n.target) for n in nodes), anchor, tuple(a.name for a in ins),
-            tuple(o.name for o in outs), tuple(ins[i].name for i in module.saved), eager,
-            kernel_bytes(fwd, metas), bwd_eager, bwd_fused, tuple(kernels)))
-        insert_subgm(gm, sub, ins, outs, nodes[-1])
-        erase_nodes(gm, nodes)
-        setattr(gm, name, module)     # the GraphModule insert_subgm added gives way to the kernels
+        report.groups.append(_record(built, name))
+        insert_subgm(gm, built.sub, built.ins, built.outs, built.nodes[-1])
+        call = next(c for c in gm.graph.nodes if c.op == "call_module" and c.target == name)
+        for item in call.users:           # the getitem that now carries each output
+            renamed[built.outs[item.args[1]].name] = item.name
+        erase_nodes(gm, built.nodes)
+        setattr(gm, name, built.module)   # the GraphModule insert_subgm added gives way to the kernels
+    if stages is not None:                # a cut at a fused output: the value now has the getitem's name
+        stages.boundaries = [renamed.get(b, b) for b in stages.boundaries]
     stable_topological_sort(gm)
     gm.graph.lint()
     gm.recompile()
