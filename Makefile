@@ -2,7 +2,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo demo-tp demo-pp test bench bench-pp clean
+.PHONY: venv demo demo-tp demo-pp test bench bench-pp bench-fusion clean
 
 venv: $(VENV)/.installed
 
@@ -43,3 +43,7 @@ bench-pp: venv
 clean:
 	rm -rf build/ *.egg-info/ .pytest_cache/ dumps/ autoshard_dump/ autoshard_checkpoint/ benchmarks/out/
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+
+# fusion: bytes per pattern everywhere; kernel timings against eager and torch.compile on a GPU
+bench-fusion: venv
+	$(BIN)/python -m benchmarks.fusion
