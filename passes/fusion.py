@@ -38,6 +38,8 @@ def _decide(mode) -> tuple:
     """(enabled, why) for ``fuse=True | False | "auto"``."""
     if mode is False or mode is None:
         return False, "fuse=False"
+    if mode == "auto" and not torch.cuda.is_available():   # decided before importing triton (a second)
+        return False, "fuse='auto' without CUDA (set fuse=True with TRITON_INTERPRET=1 to run the kernels on CPU)"
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     try:
         import triton  # noqa: F401
@@ -46,9 +48,9 @@ def _decide(mode) -> tuple:
         have_triton = False
     runs = have_triton and (torch.cuda.is_available() or interpreting)
     if mode == "auto":
-        if runs and torch.cuda.is_available():
+        if runs:
             return True, "fuse='auto' on CUDA"
-        return False, "fuse='auto' without CUDA (set fuse=True with TRITON_INTERPRET=1 to run the kernels on CPU)"
+        return False, "fuse='auto': triton is not installed"
     if mode is True:
         if not have_triton:
             raise FusionUnavailable("fuse=True needs triton: pip install triton (or pass fuse=False)")
