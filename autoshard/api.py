@@ -179,7 +179,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
                 loss_only: bool = False, dump: str | None = None, cost_model=None, disable=(),
                 mixed_precision: str | None = None, max_programs: int = 8, microbatches: int | None = None,
                 schedule: str = "1f1b", virtual_stages: int = 1, pipeline_cuts=None, memory_limit=None,
-                zero: int = 0, fuse: bool | str = "auto", options: CompileOptions | None = None):
+                zero: int = 0, fuse: bool | str = "auto", loss_chunk_rows="auto",
+                options: CompileOptions | None = None):
     """Tensor-parallel ``model`` over ``mesh["tp"]``: an ``nn.Module`` holding this rank's shards.
 
     ``example_args``/``example_kwargs`` are traced first; other shapes, and the other of train/eval
@@ -200,12 +201,15 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
 
     ``fuse`` runs chains of pointwise ops and row reductions (bias, dropout, residual add, LayerNorm,
     RMSNorm, softmax) as generated Triton kernels, forward and backward: ``"auto"`` on CUDA only;
-    ``True`` on CPU too when ``TRITON_INTERPRET=1`` (slow: for tests).
+    ``True`` on CPU too when ``TRITON_INTERPRET=1`` (slow: for tests). When only the loss reads the
+    logits (``loss_only``, ``pm.step``), the LM head and the cross-entropy run chunked over tokens so the
+    logits never exist whole: ``loss_chunk_rows`` rows at a time ("auto": Liger's rule, at least 256;
+    None: off).
     """
     spec = mesh_spec(mesh)
     if options is None:
         options = CompileOptions(pins=pins or {}, loss_only=loss_only, dump=dump, disable=disable,
-                                 mixed_precision=mixed_precision, fuse=fuse)
+                                 mixed_precision=mixed_precision, fuse=fuse, loss_chunk_rows=loss_chunk_rows)
         if cost_model is not None:
             options.cost_model = cost_model
         options.pipeline = PipelineOptions(microbatches or 1, schedule, virtual_stages, pipeline_cuts, memory_limit,

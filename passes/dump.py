@@ -16,7 +16,8 @@ from autoshard.ir import meta as M
 from autoshard.ir.program import comm_summary
 from autoshard.ir.redistribute import volume
 from autoshard.passes.cost import symbolize
-from autoshard.passes.dump_fusion import fusion_section, write_kernels
+from autoshard.passes.chunk_loss import CHUNKED_LOSS
+from autoshard.passes.dump_fusion import chunked_loss_section, fusion_section, write_kernels
 from autoshard.passes.shapes import shape_of
 
 aten = torch.ops.aten
@@ -211,6 +212,7 @@ def write_plan(program, dump_dir):
               f"ILP on {report.axis}={report.size}: {report.variables} variables, solved in "
               f"{report.solve_seconds:.3f} s, objective {report.objective:.3e} s/step"]
     L += ["Pass timings: " + ", ".join(f"{k} {v:.3f} s" for k, v in program.timings.items()), ""]
+    L += chunked_loss_section(program.gm.meta.get(CHUNKED_LOSS))
     fusion = program.gm.meta.get(M.FUSION_REPORT)
     L += fusion_section(fusion)
     write_kernels(fusion, dump_dir)

@@ -40,6 +40,22 @@ def fusion_section(report: FusionReport | None) -> list:
     return L + [""]
 
 
+def chunked_loss_section(report) -> list:
+    """``plan.md``'s record of the chunk_loss pass (``passes/chunk_loss.py``)."""
+    if report is None or not report.losses:
+        return []
+    L = ["## Chunked loss", ""]
+    for r in report.losses:
+        if r.rewritten:
+            chunks = -(-r.rows // r.chunk)
+            L.append(f"- `{r.node}`: the LM head and cross-entropy over {r.rows} rows run as {chunks} chunks of "
+                     f"{r.chunk} rows; the fp32 logits held at once are {_kb(r.chunk_bytes)} instead of "
+                     f"{_kb(r.logits_bytes)} ([{r.rows}, {r.local_vocab}] on this rank)")
+        else:
+            L.append(f"- `{r.node}` not chunked: {r.why}")
+    return L + [""]
+
+
 def write_kernels(report: FusionReport | None, dump_dir: str) -> None:
     """Every generated kernel's source under ``dump_dir/kernels/``."""
     if report is None or not report.groups:

@@ -25,6 +25,7 @@ from autoshard.ir.options import CompileOptions
 from autoshard.passes import dump as D
 from autoshard.passes.bias import decompose_bias_pass, fuse_bias_pass
 from autoshard.passes.canonicalize import canonicalize_pass
+from autoshard.passes.chunk_loss import chunk_loss_pass
 from autoshard.passes.fusion import fuse_pass
 from autoshard.passes.microbatch_loss import microbatch_loss_pass
 from autoshard.passes.outputs import loss_only_pass
@@ -81,6 +82,9 @@ PASSES = [
          requires=(M.LOCAL_SHAPE,)),
     Pass("overlap_grad_allreduce", overlap_grad_allreduce_pass,
          "fuse f into its column-parallel matmul: the gradient all-reduce overlaps dW", requires=(M.LOCAL_SHAPE,)),
+    Pass("chunk_loss", chunk_loss_pass,
+         "LM head + cross-entropy chunked over tokens when only the loss reads the logits (plan.md: Chunked loss)",
+         requires=(M.LOCAL_SHAPE,)),
     Pass("check_local_shapes", check_local_shapes_pass, "run on meta: every local shape as planned",
          requires=(M.LOCAL_SHAPE,), provides=(M.LOCAL_VAL,)),
     Pass("fuse", fuse_pass, "pointwise chains and row reductions as generated Triton kernels (plan.md: Fusion)",

@@ -55,3 +55,4 @@ ALL = (KIND, NAME, REQUIRES_GRAD, STRATEGY, SPEC, GLOBAL_SHAPE, LOCAL_SHAPE, SOU
 # Graph-level facts live in ``GraphModule.meta`` under these keys.
 PLAN_REPORT = "autoshard_plan_report"
 FUSION_REPORT = "autoshard_fusion_report"     # ir.fusion.FusionReport, from the fuse pass
+CHUNKED_LOSS = "autoshard_chunked_loss"       # passes.chunk_loss.ChunkedLossReport, from chunk_loss

@@ -147,6 +147,33 @@ class VocabParallelCrossEntropy(ParallelOp):
                 + (", in place on the logits" if self.inplace else ""))
 
 
+class VocabParallelLinearCrossEntropy(ParallelOp):
+    """The column-parallel LM head and the vocab-parallel cross-entropy as one op, chunked over ``rows``
+    so the ``[rows, V/t]`` logits never exist whole (``runtime/chunked_loss.py``). Inputs: the hidden
+    states ``[rows, H]`` (replicated), this rank's head rows ``[V/t, H]``, the targets ``[rows]``.
+    Traffic: per chunk, the cross-entropy's max and stacked statistics; in backward, the hidden states'
+    gradient all-reduce that the head's ``f`` did."""
+
+    def __init__(self, axis, size, rows: int, hidden: int, start: int, valid: int, ignore_index: int,
+                 reduction: int, chunk: int):
+        super().__init__(axis, size)
+        self.rows, self.hidden, self.start, self.valid = rows, hidden, start, valid
+        self.ignore_index, self.reduction, self.chunk = ignore_index, reduction, chunk
+
+    def meta_forward(self, h, weight, target):
+        return h.new_empty(())
+
+    def steps(self):
+        out = []
+        for s in range(0, self.rows, self.chunk):
+            out += vocab_parallel_cross_entropy_steps(self.axis, min(self.chunk, self.rows - s))
+        return out + copy_to_parallel_steps(self.axis, (self.rows, self.hidden))
+
+    def extra_repr(self):
+        return (f"vocab [{self.start}, {self.start + self.valid}) on {self.axis}, {self.rows} rows in chunks of "
+                f"{self.chunk}, reduction={self.reduction}, ignore_index={self.ignore_index}")
+
+
 class VocabParallelLogsumexp(ParallelOp):
     """``logsumexp`` over ``dims`` of a tensor sharded on ``dim`` (one of them) on ``axis``; the rank holds
     ``valid`` real entries of that dim (the rest of its shard is padding). Output of global ``shape``,

@@ -106,6 +106,7 @@ class CompileOptions:
     mixed_precision: str | None = None                # "bf16": fp32 parameters, bf16 compute
     pipeline: PipelineOptions | None = None           # set for pm.step programs (microbatches, stages)
     fuse: bool | str = "auto"                         # generated Triton kernels: True, False, "auto" (on CUDA)
+    loss_chunk_rows: int | str | None = "auto"        # LM head + loss chunked over tokens: rows per chunk, or None
 
     def __post_init__(self):
         self.pins = dict(self.pins or {})

@@ -14,6 +14,7 @@ import torch.nn as nn
 from autoshard.ir import ops
 from autoshard.runtime import collectives as C
 from autoshard.runtime import losses as L
+from autoshard.runtime.chunked_loss import ChunkedLinearCrossEntropy
 
 
 def _redistribute(op, comm, x):
@@ -37,6 +38,11 @@ def _vocab_parallel_cross_entropy(op, comm, logits, target):
                                             op.reduction, op.inplace, op.label_smoothing, op.vocab)
 
 
+def _vocab_parallel_linear_cross_entropy(op, comm, h, weight, target):
+    return ChunkedLinearCrossEntropy.apply(h, weight, target, comm, op.start, op.valid, op.ignore_index,
+                                           op.reduction, op.chunk)
+
+
 def _vocab_parallel_logsumexp(op, comm, x):
     return L.VocabParallelLogsumexp.apply(x, comm, op.dims, op.keepdim, op.dim, op.valid)
 
@@ -48,6 +54,7 @@ IMPLEMENTATIONS = {
     ops.VocabParallelEmbedding: _vocab_parallel_embedding,
     ops.VocabParallelCrossEntropy: _vocab_parallel_cross_entropy,
     ops.VocabParallelLogsumexp: _vocab_parallel_logsumexp,
+    ops.VocabParallelLinearCrossEntropy: _vocab_parallel_linear_cross_entropy,
 }
 
 

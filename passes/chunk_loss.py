@@ -1,0 +1,142 @@
+"""``chunk_loss``: the LM head and its cross-entropy as one op chunked over tokens, when nothing else reads
+the logits (``loss_only``, and every ``pm.step`` program).
+
+The pattern is the head's matmul (``ColumnParallelMatmul`` at tp > 1, ``linear`` at tp = 1, no bias),
+then only views and a cast to fp32, then the cross-entropy (``VocabParallelCrossEntropy`` at tp > 1,
+``cross_entropy_loss`` at tp = 1) with mean or sum reduction, no class weights and no label smoothing.
+It becomes one ``VocabParallelLinearCrossEntropy`` record (at tp = 1 too, where its collectives are the
+identity): the ``[rows, V/t]`` logits never exist whole. What was rewritten, or why
+not, is a ``ChunkedLoss`` record in ``gm.meta`` that ``plan.md`` prints.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from autoshard.ir import meta as M
+from autoshard.ir import ops
+from autoshard.passes.rules_vocab import cross_entropy_args
+
+aten = torch.ops.aten
+CHUNKED_LOSS = M.CHUNKED_LOSS
+_PASS_THROUGH = {aten.reshape.default, aten.view.default, aten._unsafe_view.default, aten._to_copy.default,
+                 aten.to.dtype, aten.clone.default}
+
+
+def default_chunk(rows: int, local_vocab: int, hidden: int, floor: int = 256) -> int:
+    """Liger's rule (rows / ceil(V / H), to a power of two: a chunk's logits about the size of the
+    hidden states), never below ``floor`` rows so each matmul stays large, and at most ``rows``."""
+    parts = max(1, -(-local_vocab // hidden))
+    chunk = 1 << max(0, (-(-rows // parts) - 1).bit_length())
+    return min(rows, max(floor, chunk))
+
+
+@dataclass
+class ChunkedLoss:
+    """One rewritten loss, or why a loss was left as it was."""
+    node: str
+    rewritten: bool
+    why: str = ""
+    rows: int = 0
+    local_vocab: int = 0
+    chunk: int = 0
+    logits_bytes: int = 0          # the unchunked [rows, V/t] fp32 logits
+    chunk_bytes: int = 0           # one chunk's
+
+
+@dataclass
+class ChunkedLossReport:
+    losses: list = field(default_factory=list)
+
+
+def _loss_args(gm, n) -> dict | None:
+    """(logits, target, ignore_index, reduction, start, valid, smoothing, weight) of a cross-entropy node."""
+    if n.op == "call_module":
+        op = gm.get_submodule(n.target)
+        if isinstance(op, ops.VocabParallelCrossEntropy):
+            return dict(logits=n.args[0], target=n.args[1], ignore_index=op.ignore_index, reduction=op.reduction,
+                        start=op.start, valid=op.valid, smoothing=op.label_smoothing, weight=None, op=op)
+    if n.op == "call_function" and n.target is aten.cross_entropy_loss.default:
+        a = cross_entropy_args(n)
+        return dict(logits=a["logits"], target=a["target"], ignore_index=a["ignore_index"],
+                    reduction=a["reduction"], start=0, valid=None, smoothing=a["label_smoothing"],
+                    weight=a["weight"], op=None)
+    return None
+
+
+def _head(gm, logits: fx.Node) -> tuple:
+    """Walk back from the loss's logits through views and casts read by nothing else: (matmul node, chain)."""
+    chain, cur = [], logits
+    while cur.op == "call_function" and cur.target in _PASS_THROUGH and len(cur.users) == 1:
+        chain.append(cur)
+        cur = cur.args[0]
+    if len(cur.users) != 1:
+        return None, chain
+    if cur.op == "call_module" and isinstance(gm.get_submodule(cur.target), ops.ColumnParallelMatmul):
+        op = gm.get_submodule(cur.target)
+        if len(cur.args) == 2 and not op.transposed:
+            return cur, chain
+    if cur.op == "call_function" and cur.target is aten.linear.default and \
+            (len(cur.args) == 2 or cur.args[2] is None):
+        return cur, chain
+    return None, chain
+
+
+def _rewrite(gm, n, a, chunk_rows, t) -> ChunkedLoss:
+    if a["weight"] is not None or a["smoothing"]:
+        return ChunkedLoss(n.name, False, "class weights or label smoothing: the unchunked loss handles them")
+    if a["reduction"] not in (1, 2):
+        return ChunkedLoss(n.name, False, "reduction='none': per-row losses are returned whole")
+    head, chain = _head(gm, a["logits"])
+    if head is None:
+        return ChunkedLoss(n.name, False, "the logits are read by more than the loss (returned, or used twice)")
+    h, weight = head.args[0], head.args[1]
+    rows, local_vocab = M.LOCAL_SHAPE.get(a["logits"])
+    hidden = M.LOCAL_SHAPE.get(weight)[1]
+    if math.prod(M.LOCAL_SHAPE.get(h)) != rows * hidden:
+        return ChunkedLoss(n.name, False, "the head's input is not the loss's rows")
+    chunk = default_chunk(rows, local_vocab, hidden) if chunk_rows == "auto" else min(int(chunk_rows), rows)
+    record = ChunkedLoss(n.name, False, "", rows, local_vocab, chunk, rows * local_vocab * 4, chunk * local_vocab * 4)
+    if chunk >= rows:
+        record.why = f"{rows} rows fit in one chunk of {chunk}: nothing to gain"
+        return record
+    with gm.graph.inserting_before(n):
+        h2 = gm.graph.call_function(aten.reshape.default, (h, [rows, hidden]))
+        valid = a["valid"] if a["valid"] is not None else local_vocab
+        op = ops.VocabParallelLinearCrossEntropy("tp", t, rows, hidden, a["start"], valid, a["ignore_index"],
+                                                 a["reduction"], chunk)
+        name = f"chunked_cross_entropy_{sum(1 for _ in gm.named_children())}"
+        gm.add_submodule(name, op)
+        new = gm.graph.call_module(name, (h2, weight, a["target"]))
+    M.LOCAL_SHAPE.set(h2, (rows, hidden))
+    for key in (M.GLOBAL_SHAPE, M.SPEC, M.REQUIRES_GRAD):
+        if key.has(h):
+            key.set(h2, key.get(h))
+    for key in (M.LOCAL_SHAPE, M.GLOBAL_SHAPE, M.SPEC, M.REQUIRES_GRAD):
+        if key.has(n):
+            key.set(new, key.get(n))
+    new.meta["val"] = n.meta.get("val")
+    n.replace_all_uses_with(new)
+    for dead in [n] + chain + [head]:
+        gm.graph.erase_node(dead)
+    record.rewritten = True
+    return record
+
+
+def chunk_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    chunk_rows = ctx.options.loss_chunk_rows
+    report = ChunkedLossReport()
+    gm.meta[CHUNKED_LOSS] = report
+    if not chunk_rows:
+        return gm
+    t = ctx.mesh.axis_size("tp")
+    for n in list(gm.graph.nodes):
+        a = _loss_args(gm, n)
+        if a is not None:
+            report.losses.append(_rewrite(gm, n, a, chunk_rows, t))
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
