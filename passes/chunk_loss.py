@@ -26,6 +26,9 @@ _PASS_THROUGH = {aten.reshape.default, aten.view.default, aten._unsafe_view.defa
                  aten.to.dtype, aten.clone.default}
 
 
+AUTO_MIN_LOGITS_BYTES = 64 * 2**20   # "auto" leaves smaller logits whole: chunking them saves little, costs calls
+
+
 def default_chunk(rows: int, local_vocab: int, hidden: int, floor: int = 256) -> int:
     """Liger's rule (rows / ceil(V / H), to a power of two: a chunk's logits about the size of the
     hidden states), never below ``floor`` rows so each matmul stays large, and at most ``rows``."""
@@ -100,6 +103,10 @@ def _rewrite(gm, n, a, chunk_rows, t) -> ChunkedLoss:
         return ChunkedLoss(n.name, False, "the head's input is not the loss's rows")
     chunk = default_chunk(rows, local_vocab, hidden) if chunk_rows == "auto" else min(int(chunk_rows), rows)
     record = ChunkedLoss(n.name, False, "", rows, local_vocab, chunk, rows * local_vocab * 4, chunk * local_vocab * 4)
+    if chunk_rows == "auto" and record.logits_bytes < AUTO_MIN_LOGITS_BYTES:
+        record.why = (f"the logits are {record.logits_bytes / 2**20:.1f} MiB, under the "
+                      f"{AUTO_MIN_LOGITS_BYTES // 2**20} MiB that loss_chunk_rows='auto' chunks")
+        return record
     if chunk >= rows:
         record.why = f"{rows} rows fit in one chunk of {chunk}: nothing to gain"
         return record

@@ -58,6 +58,14 @@ def test_the_graph_has_no_whole_logits_and_the_dump_says_so(tmp_path):
     assert "## Chunked loss" in plan and "3 chunks of 24 rows" in plan
 
 
+def test_auto_leaves_small_logits_whole():
+    model, ids, tgt = _gpt()
+    prog = autoshard.compile_rank(model, MeshSpec(tp=2), 0, (ids, tgt),
+                                  options=autoshard.CompileOptions(loss_only=True))
+    (record,) = prog.gm.meta[CHUNKED_LOSS].losses
+    assert not record.rewritten and "under the 64 MiB" in record.why
+
+
 def test_left_alone_when_the_logits_are_returned():
     model, ids, tgt = _gpt()
     prog = autoshard.compile_rank(model, MeshSpec(tp=2), 0, (ids, tgt),
@@ -124,3 +132,15 @@ def test_pipeline_last_stage_chunks_its_summed_loss():
         assert cg.keys() == pg.keys() and cg
         for name in cg:
             torch.testing.assert_close(torch.from_numpy(cg[name]), torch.from_numpy(pg[name]), atol=1e-6, rtol=1e-5)
+
+
+def test_an_incoming_gradient_scales_and_a_second_backward_is_a_clear_error():
+    h, w = torch.randn(10, 8, requires_grad=True), torch.randn(12, 8, requires_grad=True)
+    target = torch.randint(0, 12, (10,))
+    loss = ChunkedLinearCrossEntropy.apply(h, w, target, None, 0, 12, -100, 1, 4)
+    (loss * 2).backward(retain_graph=True)          # g = 2: the pipeline's 1/count seeds land here too
+    rh, rw = torch.autograd.grad(2 * torch.nn.functional.cross_entropy(h @ w.t(), target), (h, w))
+    torch.testing.assert_close(h.grad, rh)
+    torch.testing.assert_close(w.grad, rw)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()

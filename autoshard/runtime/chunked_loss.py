@@ -56,9 +56,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 stats = comm.all_reduce(stats, "fwd")
             losses[s:e] = torch.where(keep[s:e], stats[0].log() - stats[1], 0.0)
             if want_h or want_w:
-                grad = exp.div_(stats[0].unsqueeze(1))                     # softmax, in place
-                grad.scatter_add_(1, lt, -hit[s:e].float().unsqueeze(1))   # - onehot on the target's shard
-                grad.mul_(scale[s:e].unsqueeze(1))
+                # softmax * scale - onehot * scale in one pass over the chunk: exp * (scale / sum of exps)
+                row_scale = scale[s:e]
+                grad = exp.mul_((row_scale / stats[0]).unsqueeze(1))
+                grad.scatter_add_(1, lt, -(hit[s:e] * row_scale).unsqueeze(1))
                 g = grad.to(h.dtype)
                 if want_h:
                     dh[s:e] = g @ weight
@@ -69,14 +70,25 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         loss = total / count if reduction == 1 else total
         ctx.save_for_backward(*(t for t in (dh, dw) if t is not None))
         ctx.has = (want_h, want_w)
-        ctx.comm, ctx.w_dtype = comm, weight.dtype
+        ctx.comm, ctx.w_dtype, ctx.spent = comm, weight.dtype, False
         return loss.to(h.dtype)
 
     @staticmethod
     def backward(ctx, g):
+        if ctx.spent:
+            raise RuntimeError("the chunked LM head + loss computes its gradients in forward and hands them over "
+                               "once: backward through it twice (retain_graph=True) is not supported; compile "
+                               "with loss_chunk_rows=None for that")
+        ctx.spent = True
         saved = list(ctx.saved_tensors)
-        dh = saved.pop(0) * g if ctx.has[0] else None
-        dw = (saved.pop(0) * g.float()).to(ctx.w_dtype) if ctx.has[1] else None
+        one = bool(g == 1)       # loss.backward(): the gradients are ready, handed over without a copy
+        dh = dw = None
+        if ctx.has[0]:
+            dh = saved.pop(0)
+            dh = dh if one else dh * g
+        if ctx.has[1]:
+            dw = saved.pop(0)
+            dw = (dw if one else dw * g.float()).to(ctx.w_dtype)
         if dh is not None and ctx.comm is not None:
-            dh = ctx.comm.all_reduce(dh.contiguous(), "bwd")
+            dh = ctx.comm.all_reduce(dh, "bwd")
         return dh, dw, None, None, None, None, None, None, None
