@@ -82,11 +82,12 @@ def bench_pattern(p, args, device, dtype, gpu: bool) -> dict:
     fwd_k = group.forward_kernels.get(ins)
     outs = p.fn(*ins)
     grads = [torch.randn_like(o) for o in outs]
-    bwd_k = group.backward_kernels.get([*ins, *grads]) if group.backward_kernels else None
+    bwd_ops = [*ins, *grads, *outs]
+    bwd_k = group.backward_kernels.get(bwd_ops) if group.backward_kernels else None
     e_fwd, e_bwd = eager_bytes(p.fn, ins, p.grad_inputs)
     row = {"pattern": p.name, "shape": list(ins[0].shape), "dtype": str(dtype).removeprefix("torch."),
            "eager_fwd_bytes": e_fwd, "fused_fwd_bytes": kernel_bytes(fwd_k, ins),
-           "eager_bwd_bytes": e_bwd, "fused_bwd_bytes": kernel_bytes(bwd_k, [*ins, *grads]) if bwd_k else 0}
+           "eager_bwd_bytes": e_bwd, "fused_bwd_bytes": kernel_bytes(bwd_k, bwd_ops) if bwd_k else 0}
     if not gpu:
         return row
     wants = [x.is_floating_point() and (p.grad_inputs is None or i in p.grad_inputs) for i, x in enumerate(ins)]
@@ -101,7 +102,7 @@ def bench_pattern(p, args, device, dtype, gpu: bool) -> dict:
     row["fwd_kernel_ms"] = _cuda_ms(lambda: fwd_k(*ins), args.iters)
     row["fwd_kernel_GBps"] = row["fused_fwd_bytes"] / row["fwd_kernel_ms"] / 1e6
     if bwd_k:
-        row["bwd_kernel_ms"] = _cuda_ms(lambda: bwd_k(*ins, *grads), args.iters)
+        row["bwd_kernel_ms"] = _cuda_ms(lambda: bwd_k(*bwd_ops), args.iters)
         row["bwd_kernel_GBps"] = row["fused_bwd_bytes"] / row["bwd_kernel_ms"] / 1e6
     for name, f in (("eager", p.fn), ("fused", group), ("compile", compiled)):
         row[f"{name}_fwd_bwd_ms"] = _cuda_ms(train(f), args.iters)

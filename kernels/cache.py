@@ -11,6 +11,7 @@ import importlib.util
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 
@@ -21,8 +22,16 @@ def cache_dir() -> Path:
     return path
 
 
+_LOCK = threading.Lock()   # two threads (the simulator's ranks) importing one module: one executes it
+
+
 def load_source(module_name: str, source: str):
     """Write ``source`` as ``<cache>/<module_name>.py`` (unless that file holds it already) and import it."""
+    with _LOCK:
+        return _load(module_name, source)
+
+
+def _load(module_name: str, source: str):
     path = cache_dir() / f"{module_name}.py"
     if not path.exists() or path.read_text() != source:
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")

@@ -22,13 +22,14 @@ import torch.fx as fx
 
 from autoshard.kernels import codegen
 from autoshard.kernels.cache import load_source
-from autoshard.kernels.lower import ALIAS, COLSUM, KernelPlan, lower
+from autoshard.kernels.lower import ALIAS, COLSUM, KernelPlan, canonical_ids, lower
 from autoshard.kernels.trace import GroupTrace
 
 MAX_PROGRAMS = 1024      # instances that keep colsum partials (the launcher adds this many rows)
 # Triton's interpreter patches triton.language globally for the length of a launch, so two threads (the
 # in-process simulator's ranks) must not interpret at once.
 _INTERPRETER_LOCK = threading.Lock()
+_COMPILE_LOCK = threading.Lock()
 
 
 def interpreting() -> bool:
@@ -119,15 +120,30 @@ def _layout(x):
 class Variants:
     """A primitive graph's kernels, one per operand layout seen."""
 
-    def __init__(self, graph: fx.GraphModule, anchor: tuple, label: str, input_kinds=None):
+    def __init__(self, graph: fx.GraphModule, anchor: tuple, label: str, input_kinds=None, reuse=None,
+                 shared: int = 0):
         self.graph, self.anchor, self.label, self.input_kinds = graph, tuple(anchor), label, input_kinds
+        self.reuse, self.shared = reuse, shared
         self.kernels: dict = {}
+        self.needed: tuple | None = None    # the inputs the first kernel read: a layout is theirs alone
 
     def get(self, inputs) -> Kernel:
-        key = tuple(_layout(x) for x in inputs)
+        key = tuple(_layout(inputs[i]) for i in self.needed) if self.needed is not None else None
         k = self.kernels.get(key)
         if k is None:
-            k = self.kernels[key] = Kernel(lower(self.graph, list(inputs), self.anchor, self.input_kinds), self.label)
+            with _COMPILE_LOCK:     # ranks as threads (the simulator) meet a new layout together
+                return self._compile(inputs)
+        return k
+
+    def _compile(self, inputs) -> Kernel:
+        key = tuple(_layout(inputs[i]) for i in self.needed) if self.needed is not None else None
+        k = self.kernels.get(key)
+        if k is None:
+            plan = lower(self.graph, list(inputs), self.anchor, self.input_kinds, self.reuse, self.shared)
+            if self.needed is None:
+                self.needed = plan.used
+                key = tuple(_layout(inputs[i]) for i in self.needed)
+            k = self.kernels[key] = Kernel(plan, self.label)
         return k
 
     def __call__(self, *inputs) -> list:
@@ -139,18 +155,22 @@ class FusedFunction(torch.autograd.Function):
     def forward(ctx, group: "FusedGroup", *inputs):
         outs = group.forward_kernels(*inputs)
         ctx.group = group
-        ctx.save_for_backward(*[inputs[i] for i in group.saved])
+        ctx.save_for_backward(*[inputs[i] for i in group.saved], *[outs[j] for j in group.saved_outputs])
         ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         group = ctx.group
+        saved = list(ctx.saved_tensors)
         inputs = [None] * group.n_inputs
-        for i, t in zip(group.saved, ctx.saved_tensors):
-            inputs[i] = t
+        outputs = [None] * len(group.output_floating)
+        for i in group.saved:
+            inputs[i] = saved.pop(0)
+        for j in group.saved_outputs:
+            outputs[j] = saved.pop(0)
         floats = [g for g, o in zip(grads, group.output_floating) if o]
-        got = group.backward_kernels(*inputs, *floats)
+        got = group.backward_kernels(*inputs, *floats, *outputs)
         res = [None] * group.n_inputs
         for i, g in zip(group.trace.grad_inputs, got):
             res[i] = g
@@ -172,14 +192,22 @@ class FusedGroup(torch.nn.Module):
         fwd = self.forward_kernels.get(inputs)
         self.output_floating = tuple(o.dtype.is_floating_point for o in fwd.plan.outputs)
         self.backward_kernels = None
-        self.saved: tuple = ()
+        self.saved: tuple = ()             # inputs kept for backward
+        self.saved_outputs: tuple = ()     # outputs kept for backward (read there instead of recomputed)
         if trace.backward is not None:
-            kinds = [None] * len(inputs) + [o.kind for o in fwd.plan.outputs if o.dtype.is_floating_point]
-            self.backward_kernels = Variants(trace.backward, anchor, f"{name}_bwd", kinds)
-            grads = [torch.empty(o.shape, dtype=o.dtype, device="meta")
-                     for o in fwd.plan.outputs if o.dtype.is_floating_point]
-            bwd = self.backward_kernels.get([*inputs, *grads])
+            outs = [torch.empty(o.shape, dtype=o.dtype, device="meta") for o in fwd.plan.outputs]
+            grads = [o for o in outs if o.dtype.is_floating_point]
+            out_kinds = [o.kind if o.kind != "alias" else None for o in fwd.plan.outputs]
+            kinds = [None] * len(inputs) + [k for k, o in zip(out_kinds, outs) if o.dtype.is_floating_point] + out_kinds
+            first = len(inputs) + len(grads)    # the outputs follow the gradients
+            ids = canonical_ids(trace.forward, len(inputs))
+            returned = next(n for n in trace.forward.graph.nodes if n.op == "output").args[0]
+            reuse = {ids[o]: first + j for j, o in enumerate(returned)
+                     if isinstance(o, fx.Node) and o.op == "call_function"}
+            self.backward_kernels = Variants(trace.backward, anchor, f"{name}_bwd", kinds, reuse, len(inputs))
+            bwd = self.backward_kernels.get([*inputs, *grads, *outs])
             self.saved = tuple(i for i in bwd.plan.used if i < len(inputs))
+            self.saved_outputs = tuple(i - first for i in bwd.plan.used if i >= first)
 
     runs_without_comm = True     # runtime/bind.py binds no communicator to it
 
@@ -195,7 +223,8 @@ class FusedGroup(torch.nn.Module):
         return [k for k in every if k.fn is not None]
 
     def extra_repr(self):
-        return f"{self.group_name}: anchor {list(self.anchor)}, backward reads inputs {list(self.saved)}"
+        return (f"{self.group_name}: anchor {list(self.anchor)}, backward reads inputs {list(self.saved)} "
+                f"and outputs {list(self.saved_outputs)}")
 
 
 def compile_group(fn, inputs: list, name: str = "group", backward: bool = True,

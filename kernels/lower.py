@@ -17,6 +17,7 @@ dim) raises ``Unfusable`` with the op, and the fusion pass leaves that group unf
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import re
 from dataclasses import dataclass
@@ -76,7 +77,6 @@ class KernelPlan:
 
     @property
     def key(self) -> str:
-        import hashlib
         return hashlib.sha256(repr(self).encode()).hexdigest()[:20]
 
 
@@ -134,8 +134,27 @@ def _val(node: fx.Node) -> torch.Tensor:
     return node.meta["val"]
 
 
-def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | None = None) -> KernelPlan:
-    """The plan for primitive graph ``gm`` run on ``inputs`` (tensors with the strides it will get)."""
+def canonical_ids(gm: fx.GraphModule, shared: int) -> dict:
+    """A structural id per node: equal ids compute equal values. The first ``shared`` placeholders are
+    the group's inputs (the same in its forward and backward graphs); the others are distinct."""
+    ids: dict = {}
+    for i, n in enumerate(x for x in gm.graph.nodes if x.op == "placeholder"):
+        ids[n] = f"in{i}" if i < shared else f"own{i}"
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            parts = fx.node.map_arg((n.args, n.kwargs), lambda a: ids[a])
+            ids[n] = hashlib.sha1(f"{n.target}|{parts!r}".encode()).hexdigest()[:20]
+    return ids
+
+
+def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | None = None,
+          reuse: dict | None = None, shared: int = 0) -> KernelPlan:
+    """The plan for primitive graph ``gm`` run on ``inputs`` (tensors with the strides it will get).
+
+    ``reuse`` maps canonical ids (``canonical_ids``, the first ``shared`` inputs in common) to indices of
+    ``inputs`` past the graph's own: values the caller already holds (a group's forward outputs, for
+    its backward). A node that computes one of them reads it instead, so the backward of ``y = x + r;
+    layer_norm(y)`` reads ``y`` rather than keeping ``x`` and ``r`` to add them again."""
     anchor = tuple(anchor)
     rows, cols = math.prod(anchor[:-1]), anchor[-1]
     var: dict = {}           # node -> (expression name, kind, is boolean)
@@ -147,6 +166,14 @@ def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | N
             ki = _input(f"in{i}", inputs[i], anchor, (input_kinds or [None] * len(inputs))[i])
             ins.append(dataclasses.replace(ki, var=f"x{i}"))
             var[n] = (f"x{i}", ki.kind, inputs[i].dtype == torch.bool)
+    held: dict = {}              # canonical id -> variable of a value the caller passes in
+    canon = canonical_ids(gm, shared) if reuse else {}
+    for cid, i in (reuse or {}).items():
+        if inputs[i] is None:      # not kept by this caller: computed again below
+            continue
+        ki = _input(f"in{i}", inputs[i], anchor, (input_kinds or [None] * len(inputs))[i])
+        ins.append(dataclasses.replace(ki, var=f"x{i}"))
+        held[cid] = (f"x{i}", ki.kind, inputs[i].dtype == torch.bool)
 
     def operand(a):
         if isinstance(a, fx.Node):
@@ -169,6 +196,9 @@ def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | N
 
     for n in gm.graph.nodes:
         if n.op != "call_function":
+            continue
+        if canon.get(n) in held:
+            var[n] = held[canon[n]]
             continue
         target, mutated = _functional(n.target), None
         if target is not n.target:    # x.add_(y) in a decomposition: later reads of x see the result
@@ -249,7 +279,14 @@ def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | N
             outs.append(KernelOutput(f"out{j}", v.dtype, ALIAS, tuple(v.shape), name, same_as=twin))
             continue
         outs.append(KernelOutput(f"out{j}", v.dtype, kind, tuple(v.shape), name))
-    # the inputs the stores need: an input only handed back is not loaded
+    # only the statements the stores need (a value read from the caller leaves its recomputation dead),
+    # and only the inputs those read: an input only handed back is not loaded
+    live = {o.value for o in outs if o.kind != ALIAS}
+    for st in reversed(body):
+        if st.var in live:
+            live |= set(re.findall(r"\b[tx]\d+\b", st.expr))
+    body = [st for st in body if st.var in live]
+    reduces_rows = any("axis=1" in st.expr for st in body)
     text = " ".join([s.expr for s in body] + [o.value for o in outs if o.kind != ALIAS])
     ins = [x for x in ins if re.search(rf"\b{x.var}\b", text)]
     used = tuple(int(x.name[2:]) for x in ins)   # may be empty: every output handed back (a no-op)

@@ -244,13 +244,15 @@ def _record(built: _Built, name: str):
     kernels = [KernelRecord(k.name, k.plan.template, f"{k.module_name}.py", k.source) for k in module.kernels()]
     bwd_eager = bwd_fused = 0
     if module.backward_kernels is not None:
-        grads = [torch.empty(o.shape, dtype=o.dtype, device="meta") for o in fwd.plan.outputs]
+        outs = [torch.empty(o.shape, dtype=o.dtype, device="meta") for o in fwd.plan.outputs]
+        operands = [*metas, *[o for o in outs if o.dtype.is_floating_point], *outs]
         bwd_eager = graph_bytes(eager_backward_graph(built.sub, metas))
-        bwd_fused = kernel_bytes(module.backward_kernels.get([*metas, *grads]), [*metas, *grads])
+        bwd_fused = kernel_bytes(module.backward_kernels.get(operands), operands)
     return FusionGroup(
         name, tuple(n.name for n in built.nodes), tuple(str(n.target) for n in built.nodes), module.anchor,
         tuple(a.name for a in built.ins), tuple(o.name for o in built.outs),
-        tuple(built.ins[i].name for i in module.saved), built.eager, kernel_bytes(fwd, metas), bwd_eager,
+        tuple(built.ins[i].name for i in module.saved) + tuple(built.outs[j].name for j in module.saved_outputs),
+        built.eager, kernel_bytes(fwd, metas), bwd_eager,
         bwd_fused, tuple(kernels))
 
 

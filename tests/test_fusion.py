@@ -100,13 +100,20 @@ def test_non_contiguous_operands_compile_their_own_variant():
 def test_backward_saves_only_what_it_reads_and_recomputes_the_rest():
     fn, ins = _inputs("residual_layer_norm")
     group = compile_group(fn, ins, "ln")
-    # the residual sum, the mean and the rstd are recomputed from x and r: no intermediate is saved
-    assert group.saved == (0, 1, 2)                  # x, r and the weight; not the bias
+    # the backward reads the residual sum y (an output, which the next layer keeps anyway) and the weight;
+    # not x and r to add them again, not the bias; mean and rstd are recomputed from y
+    assert group.saved == (2,) and group.saved_outputs == (0,)
     fwd, bwd = group.kernels()
     assert fwd.plan.template == bwd.plan.template == "row"
     # mean and variance recomputed, two row sums for dx, the weight and bias gradients
     assert bwd.source.count("tl.sum(") == 6
     assert sum(o.kind == "colsum" for o in bwd.plan.outputs) == 2
+    # softmax's backward reads its output and the mask, as eager's does; GeLU's its input
+    fn, ins = _inputs("scale_mask_softmax")
+    assert _group("scale_mask_softmax", fn, ins).saved_outputs == (0,)
+    fn, ins = _inputs("bias_gelu")
+    group = _group("bias_gelu", fn, ins)
+    assert group.saved == (0, 1) and group.saved_outputs == ()
 
 
 def test_unsupported_op_is_reported_not_fused():
