@@ -84,8 +84,11 @@ class Kernel:
         plan = self.plan
         if not plan.used:     # nothing to compute: every output is an input handed back
             return [inputs[o.alias].view(o.shape) if o.alias is not None else None for o in plan.outputs]
-        shape = launch_shape(plan, interpreting() or not inputs[plan.used[0]].is_cuda)
-        device = inputs[plan.used[0]].device
+        # the device of the first operand with elements (a lifted 0-d constant may sit on the CPU)
+        device = next((inputs[i].device for i in plan.used if inputs[i].dim() > 0), inputs[plan.used[0]].device)
+        inputs = [x.to(device) if isinstance(x, torch.Tensor) and x.dim() == 0 and x.device != device else x
+                  for x in inputs]
+        shape = launch_shape(plan, interpreting() or device.type != "cuda")
         outs, partials = [], []
         for o in plan.outputs:
             if o.kind == ALIAS:
@@ -169,7 +172,9 @@ class FusedFunction(torch.autograd.Function):
             inputs[i] = saved.pop(0)
         for j in group.saved_outputs:
             outputs[j] = saved.pop(0)
-        floats = [g for g, o in zip(grads, group.output_floating) if o]
+        # contiguous: an incoming gradient of a .sum() is an expand (stride 0), which the compiled
+        # variant does not take; unsaved operands are None, so a new variant could not be lowered
+        floats = [g.contiguous() for g, o in zip(grads, group.output_floating) if o]
         got = group.backward_kernels(*inputs, *floats, *outputs)
         res = [None] * group.n_inputs
         for i, g in zip(group.trace.grad_inputs, got):

@@ -29,6 +29,7 @@ from autoshard.kernels import optable
 from autoshard.kernels.indexing import row_offset, to_triton
 
 FULL, ROW, COL, SCALAR, COLSUM, ALIAS = "full", "row", "col", "scalar", "colsum", "alias"
+ROWFLAT = "rowflat"   # a row reduction without keepdim: per row, but eager broadcasts it along the last dim
 
 
 class Unfusable(Exception):
@@ -87,6 +88,8 @@ def _join(kinds) -> str:
     ks = frozenset(k for k in kinds if k != SCALAR)
     if COLSUM in ks:
         raise Unfusable("a sum over every row is used inside the kernel (it is only complete after it)")
+    if ROWFLAT in ks:
+        raise Unfusable("a reduction without keepdim meets another value: eager broadcasts it along the last dim")
     if not ks:
         return SCALAR
     return _JOIN.get(ks, FULL)
@@ -162,10 +165,14 @@ def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | N
     reduces_rows = False
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, n in enumerate(placeholders):
-        if n.users:
+        if n.users and inputs[i] is None:    # not kept by this caller: only dead statements read it
+            var[n] = ("__missing__", FULL, False)
+        elif n.users:
             ki = _input(f"in{i}", inputs[i], anchor, (input_kinds or [None] * len(inputs))[i])
             ins.append(dataclasses.replace(ki, var=f"x{i}"))
             var[n] = (f"x{i}", ki.kind, inputs[i].dtype == torch.bool)
+    compute = "tl.float64" if any(isinstance(t, torch.Tensor) and t.dtype == torch.float64 for t in inputs) \
+        else "tl.float32"
     held: dict = {}              # canonical id -> variable of a value the caller passes in
     canon = canonical_ids(gm, shared) if reuse else {}
     for cid, i in (reuse or {}).items():
@@ -215,10 +222,23 @@ def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | N
             if row.expr == "{0}" and ops[0][1] == COLSUM:   # a cast of a bias gradient: the store casts
                 var[n] = ops[0]
                 continue
-            boolean = row.boolean or (target is torch.ops.aten._to_copy.default and n.kwargs.get("dtype") == torch.bool)
+            if target is torch.ops.aten.bitwise_not.default and not ops[0][2]:
+                raise Unfusable("bitwise_not of an integer value (the table has it for bool masks)")
+            alpha = n.kwargs.get("alpha", 1)
+            if alpha != 1:                        # add/sub(x, y, alpha=a) is x +- a*y
+                ops[1] = (f"({ops[1][0]} * {_literal(alpha)})",) + tuple(ops[1][1:])
             expr = row.expr.format(*[o[0] for o in ops])
-            if boolean and not row.boolean:
-                expr = f"({expr} != 0)"
+            boolean = row.boolean
+            if row.expr == "{0}" and isinstance(n.args[0], fx.Node):   # a copy or a cast: convert what changes
+                src_dt, dst_dt = _val(n.args[0]).dtype, _val(n).dtype
+                if dst_dt == torch.bool and src_dt != torch.bool:
+                    expr, boolean = f"({expr} != 0)", True
+                elif dst_dt.is_floating_point and not src_dt.is_floating_point:
+                    expr = f"{expr}.to({compute})"      # a 1-bit or integer value becomes a number
+                elif not dst_dt.is_floating_point and dst_dt != torch.bool and src_dt.is_floating_point:
+                    expr = f"{expr}.to(tl.int64)"       # truncates toward zero, as torch's cast does
+                elif dst_dt == torch.bool:
+                    boolean = True
             emit(n, expr, _join(o[1] for o in ops), boolean)
         elif target in optable.REDUCTIONS:
             row = optable.REDUCTIONS[target]
@@ -227,10 +247,14 @@ def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | N
             dims = sorted({d % rank for d in (n.args[1] if len(n.args) > 1 and n.args[1] is not None else range(rank))})
             if src[1] != FULL:
                 raise Unfusable(f"{target} of a {src[1]} value")
+            if _val(n.args[0]).numel() != rows * cols:
+                raise Unfusable(f"{target} of a value broadcast into the [{rows}, {cols}] space")
+            keepdim = n.kwargs.get("keepdim", n.args[2] if len(n.args) > 2 else False)
             masked = f"tl.where(mask, {src[0]}, {row.identity})"
             if dims == [rank - 1]:
                 reduces_rows = True
-                emit(n, row.finish.format(f"{row.combine}({masked}, axis=1)[:, None]", n=cols), ROW)
+                emit(n, row.finish.format(f"{row.combine}({masked}, axis=1)[:, None]", n=cols),
+                     ROW if keepdim else ROWFLAT)
             elif dims == list(range(rank - 1)) and row.combine == "tl.sum" and row.finish == "{0}":
                 emit(n, f"tl.sum({masked}, axis=0)", COLSUM, accumulate=True)
             else:
@@ -238,11 +262,7 @@ def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | N
                                 "dim but the last (a bias gradient), reduce in a kernel")
         elif target in optable.VIEWS:
             src = operand(n.args[0])
-            if src[1] == FULL:
-                shape = tuple(_val(n).shape)
-                if not shape or shape[-1] != cols or math.prod(shape) != rows * cols:
-                    raise Unfusable(f"{target} to {shape} moves the last dim of the [{rows}, {cols}] space")
-            var[n] = src
+            var[n] = (src[0], _view_kind(src[1], tuple(_val(n).shape), rows, cols, target), src[2])
         elif target in optable.RANDOM:
             seed, shape, p, stream = n.args
             if math.prod(shape) != rows * cols:
@@ -265,9 +285,8 @@ def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | N
         name, kind, _ = var[o]
         if kind == SCALAR:
             raise Unfusable("an output that is a constant")
-        if kind == COL:   # a per-column output (a broadcast input passed through): rare, not supported
-            raise Unfusable("an output with one value per column")
         v = _val(o)
+        kind = _output_kind(kind, v.numel(), rows, cols)
         src = next((i for i, p in enumerate(placeholders) if var.get(p, (None,))[0] == name), None)
         if src is not None and inputs[src].dtype == v.dtype and inputs[src].numel() == v.numel():
             # a gradient that passes through unchanged (a residual add's): hand the tensor back, as autograd does
@@ -288,15 +307,48 @@ def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | N
     body = [st for st in body if st.var in live]
     reduces_rows = any("axis=1" in st.expr for st in body)
     text = " ".join([s.expr for s in body] + [o.value for o in outs if o.kind != ALIAS])
+    if "__missing__" in text:
+        raise RuntimeError("internal: a kernel variant needs a value its caller did not keep for backward")
     ins = [x for x in ins if re.search(rf"\b{x.var}\b", text)]
     used = tuple(int(x.name[2:]) for x in ins)   # may be empty: every output handed back (a no-op)
     if reduces_rows and cols > MAX_ROW:
         raise Unfusable(f"rows of {cols} elements are longer than the row template holds ({MAX_ROW})")
-    f64 = any(inputs[i].dtype == torch.float64 for i in used)
     wide = any(inputs[i].numel() and _max_offset(inputs[i]) >= 2**31 for i in used) \
         or rows * cols >= 2**31
     return KernelPlan("row" if reduces_rows else "pointwise", rows, cols, tuple(ins), tuple(outs),
-                      tuple(body), wide, "tl.float64" if f64 else "tl.float32", used)
+                      tuple(body), wide, compute, used)
+
+
+def _view_kind(kind: str, shape: tuple, rows: int, cols: int, target) -> str:
+    """The kind of a view of a value of ``kind``: a view may relabel, never move, the last dim."""
+    numel = math.prod(shape)
+    if kind == FULL:
+        if not shape or shape[-1] != cols or numel != rows * cols:
+            raise Unfusable(f"{target} to {shape} moves the last dim of the [{rows}, {cols}] space")
+        return FULL
+    if kind in (ROW, ROWFLAT):
+        if shape and shape[-1] == 1 and numel == rows:
+            return ROW                          # [..., 1]: broadcasts along the last dim
+        if shape and numel == rows * cols and shape[-1] == cols:
+            return ROW                          # an expand of a row value
+        if numel == rows and (not shape or shape[-1] != 1):
+            return ROWFLAT
+    if kind == COL and shape and shape[-1] == cols and numel in (cols, rows * cols):
+        return COL
+    if kind in (SCALAR, COLSUM):
+        return kind
+    raise Unfusable(f"{target} to {shape} of a {kind} value in the [{rows}, {cols}] space")
+
+
+def _output_kind(kind: str, numel: int, rows: int, cols: int) -> str:
+    """How an output is stored: a per-row or per-column value stored at full shape is broadcast first."""
+    if kind == COLSUM and numel == cols:
+        return kind
+    if kind in (ROW, ROWFLAT) and numel == rows and cols != 1:
+        return ROW
+    if kind in (FULL, ROW, COL) and numel == rows * cols:
+        return FULL
+    raise Unfusable(f"an output of {numel} elements holds a {kind} value of the [{rows}, {cols}] space")
 
 
 def _functional(target):

@@ -51,8 +51,9 @@ POINTWISE: dict = {
     aten.mul.Scalar: PointwiseRow("({0} * {1})", 2),
     aten.div.Tensor: PointwiseRow("({0} / {1})", 2),
     aten.div.Scalar: PointwiseRow("({0} / {1})", 2),
-    aten.maximum.default: PointwiseRow("tl.maximum({0}, {1})", 2),
-    aten.minimum.default: PointwiseRow("tl.minimum({0}, {1})", 2),
+    # NaN propagates, as in torch (Triton's default drops it on a GPU)
+    aten.maximum.default: PointwiseRow("tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)", 2),
+    aten.minimum.default: PointwiseRow("tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)", 2),
     aten.neg.default: PointwiseRow("(-({0}))", 1),
     aten.abs.default: PointwiseRow("tl.abs({0})", 1),
     aten.reciprocal.default: PointwiseRow("(1.0 / ({0}))", 1),
@@ -63,7 +64,7 @@ POINTWISE: dict = {
     aten.erf.default: PointwiseRow("tl.math.erf({0})", 1),
     aten.tanh.default: PointwiseRow(_TANH, 1),
     aten.sigmoid.default: PointwiseRow(_SIGMOID, 1),
-    aten.relu.default: PointwiseRow("tl.maximum({0}, 0.0)", 1),
+    aten.relu.default: PointwiseRow("tl.where({0} < 0, 0.0, {0})", 1),     # relu(NaN) is NaN
     aten.where.self: PointwiseRow("tl.where({0}, {1}, {2})", 3),
     aten.gt.Scalar: PointwiseRow("({0} > {1})", 2, boolean=True),
     aten.gt.Tensor: PointwiseRow("({0} > {1})", 2, boolean=True),

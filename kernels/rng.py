@@ -56,6 +56,8 @@ def dropout_keep(seed: torch.Tensor, shape: list[int], p: float, stream: int) ->
     n = 1
     for s in shape:
         n *= s
+    if p >= 1.0:                       # torch's dropout(p=1) zeroes everything
+        return torch.zeros(shape, device=seed.device)
     keep = philox_uniform(int(seed) + stream, n, seed.device).view(shape) >= p
     return keep.to(torch.float32) / (1.0 - p)
 
@@ -72,4 +74,6 @@ def draw_seed(like: torch.Tensor) -> torch.Tensor:
 
 def dropout_expr(seed: str, stream: int, p: float) -> str:
     """The mask as a Triton expression over the kernel's ``rows`` and ``cols`` (``{n}``: columns)."""
+    if p >= 1.0:
+        return "0.0"
     return f"tl.where(tl.rand(({seed} + {stream}).to(tl.int32), rows * {{n}} + cols) >= {p!r}, {1.0 / (1.0 - p)!r}, 0.0)"

@@ -113,8 +113,9 @@ def _rewrite(gm, n, a, chunk_rows, t) -> ChunkedLoss:
     with gm.graph.inserting_before(n):
         h2 = gm.graph.call_function(aten.reshape.default, (h, [rows, hidden]))
         valid = a["valid"] if a["valid"] is not None else local_vocab
+        val = n.meta.get("val")
         op = ops.VocabParallelLinearCrossEntropy("tp", t, rows, hidden, a["start"], valid, a["ignore_index"],
-                                                 a["reduction"], chunk)
+                                                 a["reduction"], chunk, val.dtype if val is not None else None)
         name = f"chunked_cross_entropy_{sum(1 for _ in gm.named_children())}"
         gm.add_submodule(name, op)
         new = gm.graph.call_module(name, (h2, weight, a["target"]))

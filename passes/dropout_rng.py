@@ -50,11 +50,14 @@ def rewrite_dropout(gm: fx.GraphModule, tp: int) -> list:
                 seed = gm.graph.call_function(draw_seed, (like,))
                 M.LOCAL_VAL.set(seed, torch.empty((), dtype=torch.int64, device="meta"))
                 M.REQUIRES_GRAD.set(seed, False)
+            # x * keep in fp32, then cast: the scale 1/(1-p) is not rounded to x's dtype (the kernel
+            # computes in fp32 too, so fused and unfused agree in bf16)
             keep = gm.graph.call_function(torch.ops.autoshard.dropout_keep.default, (seed, list(val.shape), p, stream))
-            cast = gm.graph.call_function(aten._to_copy.default, (keep,), {"dtype": val.dtype})
-            out = gm.graph.call_function(aten.mul.Tensor, (x, cast))
+            prod = gm.graph.call_function(aten.mul.Tensor, (x, keep))
+            out = gm.graph.call_function(aten._to_copy.default, (prod,), {"dtype": val.dtype})
         for node, v in ((keep, torch.empty(val.shape, device="meta")),
-                        (cast, torch.empty(val.shape, dtype=val.dtype, device="meta")),
+                        (prod, torch.empty(val.shape, dtype=torch.promote_types(val.dtype, torch.float32),
+                                           device="meta")),
                         (out, torch.empty(val.shape, dtype=val.dtype, device="meta"))):
             M.LOCAL_VAL.set(node, v)
             M.REQUIRES_GRAD.set(node, node is out and M.REQUIRES_GRAD.get(n, True))

@@ -234,6 +234,8 @@ def _build_largest(gm: fx.GraphModule, nodes: list, name: str) -> tuple:
             return _build(gm, part, name), reasons
         except Unfusable as e:
             reasons.append(Unfused(tuple(n.name for n in part), str(e)))
+        except Exception as e:  # noqa: BLE001 - a tracer or codegen failure leaves the group eager, said why
+            reasons.append(Unfused(tuple(n.name for n in part), f"{type(e).__name__}: {e}"[:300]))
     return None, reasons
 
 

@@ -144,3 +144,16 @@ def test_an_incoming_gradient_scales_and_a_second_backward_is_a_clear_error():
     torch.testing.assert_close(w.grad, rw)
     with pytest.raises(RuntimeError, match="retain_graph"):
         loss.backward()
+
+
+def test_the_loss_keeps_the_replaced_losss_dtype_and_no_grad_skips_the_gradients():
+    h, w = torch.randn(10, 8).bfloat16(), torch.randn(12, 8).bfloat16()
+    target = torch.randint(0, 12, (10,))
+    loss = ChunkedLinearCrossEntropy.apply(h, w, target, None, 0, 12, -100, 2, 4, True, torch.float32)
+    assert loss.dtype == torch.float32          # HF casts its logits: the sum is an fp32 number
+    ref = torch.nn.functional.cross_entropy((h @ w.t()).float(), target, reduction="sum")
+    torch.testing.assert_close(loss, ref, rtol=1e-2, atol=1e-2)
+    hg = h.float().requires_grad_()
+    with torch.no_grad():
+        out = ChunkedLinearCrossEntropy.apply(hg, w.float(), target, None, 0, 12, -100, 1, 4, False)
+    assert not out.requires_grad

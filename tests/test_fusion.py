@@ -360,3 +360,63 @@ def test_fused_pipeline_stages_match_unfused():
                                        atol=1e-6, rtol=1e-5)
     for rank_result in run_distributed(_pp_rank, 2, 0.1, timeout=240):
         assert rank_result[True] == rank_result[True]            # runs, finite
+
+
+# ------------------------------------------------------------------------------------------------------------
+# cases a review found wrong (each against eager, values and gradients)
+
+
+def _against_eager(fn, ins, grad_of_sum=False):
+    group = compile_group(fn, ins, "case")
+    leaves = [x.clone().requires_grad_(x.is_floating_point()) for x in ins]
+    refs = [x.clone().requires_grad_(x.is_floating_point()) for x in ins]
+    out, ref = group(*leaves), fn(*refs)
+    for o, e in zip(out, ref):
+        torch.testing.assert_close(o, e, atol=1e-5, rtol=1e-5)
+    if grad_of_sum:                 # the incoming gradient is an expand (stride 0)
+        sum(o.sum() for o in out if o.is_floating_point()).backward()
+        sum(e.sum() for e in ref if e.is_floating_point()).backward()
+    else:
+        grads = [torch.randn_like(e) for e in ref]
+        torch.autograd.backward(out, grads)
+        torch.autograd.backward(ref, grads)
+    for a, e in zip(leaves, refs):
+        if e.grad is not None:
+            torch.testing.assert_close(a.grad, e.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_a_per_row_value_reaching_a_full_output_is_broadcast():
+    _against_eager(lambda x, h: (x.exp() * h.mean(-1, keepdim=True),), [torch.randn(3, 5), torch.randn(3, 5)])
+    _against_eager(lambda x: (x.sum(-1, keepdim=True).expand(3, 5) + 0.0,), [torch.randn(3, 5)])
+
+
+def test_a_gradient_from_sum_compiles_no_new_variant():
+    def fn(x, r, w):
+        y = x + r
+        return y, F.layer_norm(y, (7,), w)
+    _against_eager(fn, [torch.randn(3, 7), torch.randn(3, 7), torch.randn(7)], grad_of_sum=True)
+
+
+def test_alpha_casts_and_bool_arithmetic():
+    x, y = torch.randn(4, 6), torch.randn(4, 6)
+    _against_eager(lambda a, b: (torch.add(a, b, alpha=3) - torch.sub(a, b, alpha=0.5),), [x, y])
+    m1, m2 = torch.rand(4, 6) > 0.5, torch.rand(4, 6) > 0.5
+    _against_eager(lambda a, p, q: (a * (p.float() + q.float()),), [x, m1, m2])
+    _against_eager(lambda a: ((3 * a).long().float() + a,), [x])
+
+
+def test_keepdim_false_and_broadcast_reductions_are_not_misread():
+    with pytest.raises(Unfusable, match="keepdim"):
+        compile_group(lambda x: (x - x.sum(-1),), [torch.randn(5, 5)], "square")
+    with pytest.raises(Unfusable, match="broadcast"):
+        compile_group(lambda x, t: (x + 1, t.sum(0)), [torch.randn(2, 3, 4), torch.randn(3, 4)], "bcast",
+                      backward=False)
+    with pytest.raises(Unfusable, match="bitwise_not"):
+        compile_group(lambda x, i: (x + (~i).float(),), [torch.randn(3, 4), torch.arange(12).view(3, 4)], "inot")
+
+
+def test_nan_propagates_through_relu_and_maximum():
+    x = torch.tensor([[1.0, float("nan"), -2.0, 0.5]])
+    y = torch.tensor([[0.0, 1.0, float("nan"), 2.0]])
+    out = compile_group(lambda a, b: (torch.relu(a) + torch.maximum(a, b),), [x, y], "nan")(x, y)[0]
+    assert torch.equal(out.isnan(), (torch.relu(x) + torch.maximum(x, y)).isnan())

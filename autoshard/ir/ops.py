@@ -155,13 +155,14 @@ class VocabParallelLinearCrossEntropy(ParallelOp):
     gradient all-reduce that the head's ``f`` did."""
 
     def __init__(self, axis, size, rows: int, hidden: int, start: int, valid: int, ignore_index: int,
-                 reduction: int, chunk: int):
+                 reduction: int, chunk: int, out_dtype: torch.dtype | None = None):
         super().__init__(axis, size)
         self.rows, self.hidden, self.start, self.valid = rows, hidden, start, valid
+        self.out_dtype = out_dtype        # the replaced loss's dtype (fp32 when the logits were cast)
         self.ignore_index, self.reduction, self.chunk = ignore_index, reduction, chunk
 
     def meta_forward(self, h, weight, target):
-        return h.new_empty(())
+        return h.new_empty((), dtype=self.out_dtype or h.dtype)
 
     def steps(self):
         out = []

@@ -40,7 +40,7 @@ def _vocab_parallel_cross_entropy(op, comm, logits, target):
 
 def _vocab_parallel_linear_cross_entropy(op, comm, h, weight, target):
     return ChunkedLinearCrossEntropy.apply(h, weight, target, comm, op.start, op.valid, op.ignore_index,
-                                           op.reduction, op.chunk)
+                                           op.reduction, op.chunk, torch.is_grad_enabled(), op.out_dtype)
 
 
 def _vocab_parallel_logsumexp(op, comm, x):

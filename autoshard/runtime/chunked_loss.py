@@ -23,11 +23,12 @@ import torch.distributed as dist
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, target, comm, start: int, valid: int, ignore_index: int, reduction: int,
-                chunk: int):
+                chunk: int, grad_enabled: bool = True, out_dtype=None):
         if h.is_meta:
             return h.new_empty(())
         rows, local_vocab = h.shape[0], weight.shape[0]
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # needs_input_grad is set under no_grad too: the caller passes whether autograd will ask
+        want_h, want_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         keep = target != ignore_index
         count = keep.sum()
         in_shard = (target >= start) & (target < start + valid)
@@ -44,7 +45,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             x = (hc @ weight.t()).float()                                  # [c, V/t]: the one buffer
             if valid < local_vocab:
                 x[:, valid:] = float("-inf")
-            row_max = x[:, :valid].max(dim=1).values
+            row_max = x[:, :valid].amax(dim=1) if valid else x.new_full((x.shape[0],), float("-inf"))
             if comm is not None:
                 row_max = comm.all_reduce(row_max, "fwd", op=dist.ReduceOp.MAX)
             x.sub_(row_max.unsqueeze(1))
@@ -71,7 +72,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(*(t for t in (dh, dw) if t is not None))
         ctx.has = (want_h, want_w)
         ctx.comm, ctx.w_dtype, ctx.spent = comm, weight.dtype, False
-        return loss.to(h.dtype)
+        return loss.to(out_dtype or h.dtype)      # fp32 when the model cast its logits (HF's logits.float())
 
     @staticmethod
     def backward(ctx, g):
@@ -91,4 +92,4 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             dw = (dw if one else dw * g.float()).to(ctx.w_dtype)
         if dh is not None and ctx.comm is not None:
             dh = ctx.comm.all_reduce(dh, "bwd")
-        return dh, dw, None, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None, None, None
