@@ -1,24 +1,32 @@
 """The chunked LM head + cross-entropy against the unchunked vocab-parallel loss: peak memory and time.
 
-    python -m benchmarks.chunked_loss [--rows 4096] [--vocab 50304] [--hidden 768] [--chunk auto] [--reps 3]
+    python -m benchmarks.chunked_loss [--rows 4096] [--vocab 50304] [--hidden 768] [--chunk auto 384] [--reps 3]
 
-Both compute the loss of ``h [rows, hidden]`` against ``W [vocab, hidden]`` and its gradients, as the
-compiled programs do at tp=1: unchunked is ``logits = h @ W^T`` then ``VocabParallelCrossEntropy``
-(in place on the logits, as when nothing else reads them), then autograd; chunked is
-``ChunkedLinearCrossEntropy``. Each measurement runs in a fresh process (A B A B ...): peak memory is
-the rise of the process's peak RSS (``ru_maxrss``, a high-water mark) over the first full-size forward
-and backward, after the inputs exist and a tiny warm-up step has run (CPU), or
-``torch.cuda.max_memory_allocated`` over the allocated baseline (GPU). Time is the median step. Writes ``chunked_loss_results.md`` to ``--out``.
+Every variant computes the loss of ``h [rows, hidden]`` through ``W [vocab, hidden]`` and the gradients
+of both: the unchunked vocab-parallel loss (``logits = h @ W^T`` then ``VocabParallelCrossEntropy`` in
+place on the logits, what a tp > 1 program runs on its shard when nothing else reads the logits; the
+baseline of the ratios), torch's ``F.cross_entropy`` on the logits (what a tp = 1 program runs
+unchunked), and ``ChunkedLinearCrossEntropy`` (``runtime/chunked_loss.py``) with ``--chunk`` rows per
+chunk ("auto" is the compiler's rule, ``passes/chunk_loss.py:default_chunk``). All run side by side in
+this process.
+
+Memory is the peak of the bytes the allocator holds for tensors during one forward + backward, over
+what it held before (the inputs), i.e. what the loss adds at its worst moment. On CUDA that is
+``torch.cuda.max_memory_allocated`` minus ``memory_allocated`` before. On CPU it is the same count
+taken from the profiler's allocator events (``profile_memory``: every allocation and free of the CPU
+allocator, in order; their running sum's maximum): exact tensor bytes, unlike the process RSS, which
+the allocator's caching and the kernel's page accounting blur. The gradients the step leaves in
+``.grad`` count (they are alive at the peak in both variants).
+
+Time is per forward + backward step, the variants interleaved rep by rep (so a busy neighbour on a
+shared machine slows all alike); the ratio is taken on the fastest step of each (the least disturbed),
+and the medians are printed too. Writes ``chunked_loss_results.md`` to ``--out``.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import statistics
-import subprocess
-import sys
 import time
 
 import torch
@@ -26,63 +34,78 @@ import torch
 OUT = os.path.join(os.path.dirname(__file__), "results")
 
 
+def _step(variant, h, w, target):
+    """One forward + backward. ``variant``: rows per chunk; ``"vocab_parallel"``, the unchunked loss of a
+    tp > 1 program (in place on the logits); ``"torch"``, what a tp = 1 program runs unchunked
+    (``F.cross_entropy``: log-softmax, NLL, and their backward on fresh logits-sized buffers)."""
+    from autoshard.runtime.chunked_loss import ChunkedLinearCrossEntropy
+    from autoshard.runtime.losses import VocabParallelCrossEntropy
+    hl, wl = h.detach().requires_grad_(), w.detach().requires_grad_()
+    if variant == "torch":
+        loss = torch.nn.functional.cross_entropy(hl @ wl.t(), target)
+    elif variant == "vocab_parallel":
+        loss = VocabParallelCrossEntropy.apply(hl @ wl.t(), target, _One(), 0, w.shape[0], -100, 1, True)
+    else:
+        loss = ChunkedLinearCrossEntropy.apply(hl, wl, target, None, 0, w.shape[0], -100, 1, variant)
+    loss.backward()
+    return float(loss.detach())
+
+
 class _One:
-    """The tp=1 communicator: every all-reduce is the identity."""
+    """The tp=1 communicator of the unchunked loss: every all-reduce is the identity."""
     size = 1
 
     def all_reduce(self, x, phase, op=None):
         return x
 
 
-def _step(variant: str, h, w, target, chunk: int):
-    from autoshard.runtime.chunked_loss import ChunkedLinearCrossEntropy
-    from autoshard.runtime.losses import VocabParallelCrossEntropy
-    hl, wl = h.detach().requires_grad_(), w.detach().requires_grad_()
-    if variant == "chunked":
-        loss = ChunkedLinearCrossEntropy.apply(hl, wl, target, _One(), 0, w.shape[0], -100, 1, chunk)
-    else:
-        logits = hl @ wl.t()
-        loss = VocabParallelCrossEntropy.apply(logits, target, _One(), 0, w.shape[0], -100, 1, True)
-    loss.backward()
-    return float(loss)
-
-
-def _peak_bytes(device) -> int:
+def _sync(device):
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        torch.cuda.synchronize()
 
 
-def measure(variant: str, rows: int, vocab: int, hidden: int, chunk: int, reps: int) -> dict:
-    """One variant in this process: peak extra bytes over the baseline, step times, the loss."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def peak_extra_bytes(fn, device) -> int:
+    """The most bytes ``fn`` holds in tensors at once, over those held before it ran."""
+    if device.type == "cuda":
+        _sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        fn()
+        _sync(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    if not events:
+        raise RuntimeError("the profiler recorded no allocator events: cannot count CPU memory")
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def run(rows: int, vocab: int, hidden: int, chunks: list, reps: int, device, with_torch: bool = True) -> dict:
     g = torch.Generator().manual_seed(0)
     h = (torch.randn(rows, hidden, generator=g) * 0.5).to(device)
     w = (torch.randn(vocab, hidden, generator=g) * 0.02).to(device)
     target = torch.randint(0, vocab, (rows,), generator=g).to(device)
     target[: rows // 10] = -100
-    # warm-up on a tiny problem (thread pool, kernels): the peak RSS is a high-water mark, so the first
-    # full-size step below is the one that measures memory
-    _step(variant, h[:8, :8].contiguous(), w[:64, :8].contiguous(), target[:8].clamp(max=63), chunk)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = _peak_bytes(device)
-    _step(variant, h, w, target, chunk)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    peak = _peak_bytes(device) - base
-    times, loss = [], 0.0
+    variants = ["vocab_parallel"] + (["torch"] if with_torch else []) + chunks
+    res = {c: {"chunk": c, "times": []} for c in variants}
+    for c in variants:             # warm-up (thread pool, kernels), then the memory count
+        res[c]["loss"] = _step(c, h, w, target)
+        res[c]["peak"] = peak_extra_bytes(lambda c=c: _step(c, h, w, target), device)
     for _ in range(reps):
-        start = time.perf_counter()
-        loss = _step(variant, h, w, target, chunk)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return {"variant": variant, "peak_extra_bytes": peak, "step_s": times, "loss": loss,
-            "device": device.type}
+        for c in variants:
+            _sync(device)
+            start = time.perf_counter()
+            _step(c, h, w, target)
+            _sync(device)
+            res[c]["times"].append(time.perf_counter() - start)
+    return res
 
 
 def main(argv=None) -> dict:
@@ -90,48 +113,43 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=50304)
     ap.add_argument("--hidden", type=int, default=768)
-    ap.add_argument("--chunk", default="auto")
+    ap.add_argument("--chunk", nargs="+", default=["auto"], help="rows per chunk: 'auto' and/or ints")
+    ap.add_argument("--no-torch", action="store_true", help="leave out the F.cross_entropy row (the slowest)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=2, help="processes per variant, interleaved")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=OUT)
-    ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     from autoshard.passes.chunk_loss import default_chunk
-    chunk = default_chunk(args.rows, args.vocab, args.hidden) if args.chunk == "auto" else int(args.chunk)
-    if args.child:
-        print(json.dumps(measure(args.child, args.rows, args.vocab, args.hidden, chunk, args.reps)))
-        return {}
-    runs: dict = {"unchunked": [], "chunked": []}
-    for _ in range(args.rounds):
-        for variant in runs:
-            cmd = [sys.executable, "-m", "benchmarks.chunked_loss", "--child", variant, "--rows", str(args.rows),
-                   "--vocab", str(args.vocab), "--hidden", str(args.hidden), "--chunk", str(chunk),
-                   "--reps", str(args.reps)]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            runs[variant].append(json.loads(out.strip().splitlines()[-1]))
-    summary = {}
-    for variant, rs in runs.items():
-        summary[variant] = {"peak_extra_MiB": statistics.median(r["peak_extra_bytes"] for r in rs) / 2**20,
-                            "median_step_s": statistics.median(t for r in rs for t in r["step_s"]),
-                            "loss": rs[0]["loss"]}
-    u, c = summary["unchunked"], summary["chunked"]
-    if abs(u["loss"] - c["loss"]) > 1e-4 * abs(u["loss"]):
-        raise RuntimeError(f"the losses differ: unchunked {u['loss']}, chunked {c['loss']}")
-    result = {"rows": args.rows, "vocab": args.vocab, "hidden": args.hidden, "chunk": chunk,
-              "device": runs["chunked"][0]["device"], "summary": summary,
-              "memory_ratio": u["peak_extra_MiB"] / max(c["peak_extra_MiB"], 1e-9),
-              "time_ratio": c["median_step_s"] / u["median_step_s"]}
-    lines = [f"# Chunked loss: rows={args.rows}, V={args.vocab}, H={args.hidden}, chunk={chunk} "
-             f"({result['device']})", "", "| variant | peak extra MiB | median step s | loss |", "|---|---|---|---|"]
-    for variant, s in summary.items():
-        lines.append(f"| {variant} | {s['peak_extra_MiB']:.1f} | {s['median_step_s']:.3f} | {s['loss']:.6f} |")
-    lines += ["", f"Peak memory for the loss: {result['memory_ratio']:.2f}x less chunked; time "
-                  f"{result['time_ratio']:.3f}x the unchunked."]
+    auto = default_chunk(args.rows, args.vocab, args.hidden)
+    chunks = list(dict.fromkeys(auto if c == "auto" else int(c) for c in args.chunk))
+    device = torch.device(args.device)
+    res = run(args.rows, args.vocab, args.hidden, chunks, args.reps, device, not args.no_torch)
+    base = res["vocab_parallel"]
+    threads = f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""
+    lines = [f"# Chunked loss: rows={args.rows}, V={args.vocab}, H={args.hidden} ({device.type}{threads})", "",
+             "`python -m benchmarks.chunked_loss`: peak extra tensor bytes of one forward + backward (allocator "
+             "count: profiler events on CPU, max_memory_allocated on CUDA); time per step, fastest and median "
+             f"of {args.reps} interleaved.", "",
+             "Ratios are against the unchunked vocab-parallel loss.", "",
+             "| variant | peak extra MiB | memory, x less | fastest step s | median step s | time, x unchunked "
+             "(fastest) | loss |", "|---|---|---|---|---|---|---|"]
+    out = {"rows": args.rows, "vocab": args.vocab, "hidden": args.hidden, "device": device.type, "variants": []}
+    for c, r in res.items():
+        if abs(r["loss"] - base["loss"]) > 1e-4 * abs(base["loss"]):
+            raise RuntimeError(f"the losses differ: unchunked {base['loss']}, chunk {c}: {r['loss']}")
+        name = {"vocab_parallel": "unchunked (vocab-parallel loss, in place)",
+                "torch": "unchunked (F.cross_entropy, what tp=1 runs)"}.get(c, f"chunk {c}" + (" (auto)" if c == auto else ""))
+        mem_x = base["peak"] / max(r["peak"], 1)
+        time_x = min(r["times"]) / min(base["times"])
+        lines.append(f"| {name} | {r['peak'] / 2**20:.1f} | {mem_x:.2f} | {min(r['times']):.3f} | "
+                     f"{statistics.median(r['times']):.3f} | {time_x:.3f} | {r['loss']:.6f} |")
+        out["variants"].append({"chunk": c, "peak_bytes": r["peak"], "times": r["times"], "memory_ratio": mem_x,
+                                "time_ratio": time_x})
     print("\n".join(lines))
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "chunked_loss_results.md"), "w") as f:
+    with open(os.path.join(args.out, f"chunked_loss_results{'_cuda' if device.type == 'cuda' else ''}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    return result
+    return out
 
 
 if __name__ == "__main__":

@@ -1,12 +1,19 @@
 """``chunk_loss``: the LM head and its cross-entropy as one op chunked over tokens, when nothing else reads
 the logits (``loss_only``, and every ``pm.step`` program).
 
-The pattern is the head's matmul (``ColumnParallelMatmul`` at tp > 1, ``linear`` at tp = 1, no bias),
-then only views and a cast to fp32, then the cross-entropy (``VocabParallelCrossEntropy`` at tp > 1,
-``cross_entropy_loss`` at tp = 1) with mean or sum reduction, no class weights and no label smoothing.
-It becomes one ``VocabParallelLinearCrossEntropy`` record (at tp = 1 too, where its collectives are the
-identity): the ``[rows, V/t]`` logits never exist whole. What was rewritten, or why
-not, is a ``ChunkedLoss`` record in ``gm.meta`` that ``plan.md`` prints.
+The pattern is the head's matmul (``ColumnParallelMatmul`` at tp > 1; ``linear`` at tp = 1, or at tp > 1
+with ``overlap_grad_allreduce`` disabled; no bias, weight stored ``(out, in)``), read by nothing but views
+and a cast to fp32, then the cross-entropy (``VocabParallelCrossEntropy`` at tp > 1, ``cross_entropy_loss``
+at tp = 1) with mean or sum reduction, any ``ignore_index`` and label smoothing, no class weights. It
+becomes one ``VocabParallelLinearCrossEntropy`` record (at tp = 1 too, where its collectives are the
+identity): the ``[rows, V/t]`` logits never exist whole. ``reduction='none'`` is left alone (its per-row
+losses are an output as large as the rows anyway, and nothing in a training step asks for it).
+
+The input gradient of a column-parallel head is a partial sum over vocab shards. A ``ColumnParallelMatmul``
+all-reduces it in its backward, so the record does it instead (``reduce_input_grad``); a plain ``linear``
+at tp > 1 is fed by an ``f`` node that stays in the graph and does it, so the record must not.
+
+What was rewritten, or why not, is a ``ChunkedLoss`` record in ``gm.meta`` that ``plan.md`` prints.
 """
 from __future__ import annotations
 
@@ -48,54 +55,69 @@ class ChunkedLoss:
     chunk: int = 0
     logits_bytes: int = 0          # the unchunked [rows, V/t] fp32 logits
     chunk_bytes: int = 0           # one chunk's
+    label_smoothing: float = 0.0
+    reduces_input_grad: bool = False   # the op all-reduces the head input's gradient (the fused f's job)
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.rows // self.chunk) if self.chunk else 0
 
 
 @dataclass
 class ChunkedLossReport:
-    losses: list = field(default_factory=list)
+    """``gm.meta[CHUNKED_LOSS]``: one ``ChunkedLoss`` per cross-entropy the pass looked at."""
+    losses: list[ChunkedLoss] = field(default_factory=list)
 
 
 def _loss_args(gm, n) -> dict | None:
-    """(logits, target, ignore_index, reduction, start, valid, smoothing, weight) of a cross-entropy node."""
+    """The arguments of a cross-entropy node, and ``size``: the tp ranks its vocab is split over (1 for
+    ``aten.cross_entropy_loss``, which sees whole rows of logits even at tp > 1)."""
     if n.op == "call_module":
         op = gm.get_submodule(n.target)
         if isinstance(op, ops.VocabParallelCrossEntropy):
             return dict(logits=n.args[0], target=n.args[1], ignore_index=op.ignore_index, reduction=op.reduction,
-                        start=op.start, valid=op.valid, smoothing=op.label_smoothing, weight=None, op=op)
+                        start=op.start, valid=op.valid, smoothing=op.label_smoothing, vocab=op.vocab, weight=None,
+                        size=op.size)
     if n.op == "call_function" and n.target is aten.cross_entropy_loss.default:
         a = cross_entropy_args(n)
         return dict(logits=a["logits"], target=a["target"], ignore_index=a["ignore_index"],
-                    reduction=a["reduction"], start=0, valid=None, smoothing=a["label_smoothing"],
-                    weight=a["weight"], op=None)
+                    reduction=a["reduction"], start=0, valid=None, smoothing=a["label_smoothing"], vocab=None,
+                    weight=a["weight"], size=1)   # whole rows of logits on this rank: no collective
     return None
 
 
 def _head(gm, logits: fx.Node) -> tuple:
-    """Walk back from the loss's logits through views and casts read by nothing else: (matmul node, chain)."""
+    """Walk back from the loss's logits through views and casts read by nothing else:
+    ``(matmul node, chain, why not)``; the matmul is None where the pattern does not hold."""
     chain, cur = [], logits
     while cur.op == "call_function" and cur.target in _PASS_THROUGH and len(cur.users) == 1:
         chain.append(cur)
         cur = cur.args[0]
+    what = f"{cur.op} {getattr(cur.target, '__name__', cur.target)}"
     if len(cur.users) != 1:
-        return None, chain
+        return None, chain, (f"the logits ({cur.name}) are read by more than the loss (returned, or used twice)")
     if cur.op == "call_module" and isinstance(gm.get_submodule(cur.target), ops.ColumnParallelMatmul):
-        op = gm.get_submodule(cur.target)
-        if len(cur.args) == 2 and not op.transposed:
-            return cur, chain
-    if cur.op == "call_function" and cur.target is aten.linear.default and \
-            (len(cur.args) == 2 or cur.args[2] is None):
-        return cur, chain
-    return None, chain
+        if gm.get_submodule(cur.target).transposed:
+            return None, chain, "the LM head stores its weight (in, out) (HF Conv1D): not chunked"
+        if len(cur.args) > 2 and cur.args[2] is not None:
+            return None, chain, "the LM head has a bias: not chunked"
+        return cur, chain, ""
+    if cur.op == "call_function" and cur.target is aten.linear.default:
+        if len(cur.args) > 2 and cur.args[2] is not None:
+            return None, chain, "the LM head has a bias: not chunked"
+        return cur, chain, ""
+    return None, chain, (f"the loss's logits come from {what}, not from a linear LM head through views and "
+                         "casts alone")
 
 
-def _rewrite(gm, n, a, chunk_rows, t) -> ChunkedLoss:
-    if a["weight"] is not None or a["smoothing"]:
-        return ChunkedLoss(n.name, False, "class weights or label smoothing: the unchunked loss handles them")
+def _rewrite(gm, n, a, chunk_rows) -> ChunkedLoss:
+    if a["weight"] is not None:
+        return ChunkedLoss(n.name, False, "class weights: the unchunked loss handles them")
     if a["reduction"] not in (1, 2):
         return ChunkedLoss(n.name, False, "reduction='none': per-row losses are returned whole")
-    head, chain = _head(gm, a["logits"])
+    head, chain, why = _head(gm, a["logits"])
     if head is None:
-        return ChunkedLoss(n.name, False, "the logits are read by more than the loss (returned, or used twice)")
+        return ChunkedLoss(n.name, False, why)
     h, weight = head.args[0], head.args[1]
     rows, local_vocab = M.LOCAL_SHAPE.get(a["logits"])
     hidden = M.LOCAL_SHAPE.get(weight)[1]
@@ -110,27 +132,36 @@ def _rewrite(gm, n, a, chunk_rows, t) -> ChunkedLoss:
     if chunk >= rows:
         record.why = f"{rows} rows fit in one chunk of {chunk}: nothing to gain"
         return record
+    # the head's f: fused into a ColumnParallelMatmul, its all-reduce of the input gradient moves into the
+    # chunked op; a plain linear at tp > 1 (overlap_grad_allreduce disabled) keeps its f node, which does it
+    fused_f = head.op == "call_module" and a["size"] > 1 and M.REQUIRES_GRAD.get(h, True)
+    vocab = a["vocab"] if a["vocab"] is not None else local_vocab      # tp = 1: the logits' own width
+    val = n.meta.get("val")
     with gm.graph.inserting_before(n):
         h2 = gm.graph.call_function(aten.reshape.default, (h, [rows, hidden]))
         valid = a["valid"] if a["valid"] is not None else local_vocab
-        val = n.meta.get("val")
-        op = ops.VocabParallelLinearCrossEntropy("tp", t, rows, hidden, a["start"], valid, a["ignore_index"],
-                                                 a["reduction"], chunk, val.dtype if val is not None else None)
+        op = ops.VocabParallelLinearCrossEntropy(
+            "tp", a["size"], rows, hidden, a["start"], valid, a["ignore_index"], a["reduction"], chunk,
+            label_smoothing=a["smoothing"], vocab=vocab, reduce_input_grad=fused_f,
+            out_dtype=val.dtype if isinstance(val, torch.Tensor) else None)
         name = f"chunked_cross_entropy_{sum(1 for _ in gm.named_children())}"
         gm.add_submodule(name, op)
         new = gm.graph.call_module(name, (h2, weight, a["target"]))
     M.LOCAL_SHAPE.set(h2, (rows, hidden))
-    for key in (M.GLOBAL_SHAPE, M.SPEC, M.REQUIRES_GRAD):
+    M.GLOBAL_SHAPE.set(h2, (rows, hidden))            # replicated on tp: the local shape is the global one
+    for key in (M.SPEC, M.REQUIRES_GRAD):
         if key.has(h):
             key.set(h2, key.get(h))
     for key in (M.LOCAL_SHAPE, M.GLOBAL_SHAPE, M.SPEC, M.REQUIRES_GRAD):
         if key.has(n):
             key.set(new, key.get(n))
-    new.meta["val"] = n.meta.get("val")
+    new.meta["val"] = val
     n.replace_all_uses_with(new)
     for dead in [n] + chain + [head]:
         gm.graph.erase_node(dead)
     record.rewritten = True
+    record.label_smoothing = float(a["smoothing"] or 0.0)
+    record.reduces_input_grad = fused_f
     return record
 
 
@@ -140,11 +171,11 @@ def chunk_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     gm.meta[CHUNKED_LOSS] = report
     if not chunk_rows:
         return gm
-    t = ctx.mesh.axis_size("tp")
     for n in list(gm.graph.nodes):
         a = _loss_args(gm, n)
         if a is not None:
-            report.losses.append(_rewrite(gm, n, a, chunk_rows, t))
+            report.losses.append(_rewrite(gm, n, a, chunk_rows))
     gm.graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
     gm.recompile()
     return gm

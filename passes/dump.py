@@ -79,6 +79,16 @@ def _fmt_collectives(records) -> str:
     return ", ".join(f"{c.kind} {c.phase} ({c.what}: {c.numel} elements, {c.nbytes} B)" for c in records)
 
 
+def _fmt_grouped(records) -> str:
+    """Collectives that repeat (one pair per loss chunk) as counts: kind phase (what) x calls, bytes in all."""
+    groups: dict = {}
+    for c in records:
+        calls, nbytes = groups.get((c.kind, c.phase, c.what), (0, 0))
+        groups[c.kind, c.phase, c.what] = (calls + 1, nbytes + c.nbytes)
+    return ", ".join(f"{kind} {phase} ({what}) x{calls}, {nbytes} B in all"
+                     for (kind, phase, what), (calls, nbytes) in groups.items())
+
+
 def _gathers_feeding(gm, x, by_node):
     """The forward collectives that made ``x`` whole: walk up from ``x`` through views, same-shape pointwise
     ops and collectives without a forward gather, stopping at each collective that gathers or reduces.
@@ -130,6 +140,13 @@ def loss_section(program) -> list:
             L.append(f"- `{n.name}` cross_entropy (reduction={_REDUCTIONS.get(op.reduction, op.reduction)}, "
                      f"ignore_index={op.ignore_index}{smooth}): **vocab-parallel**, the logits `{n.args[0].name}` "
                      f"stay sharded by vocab, never gathered. Collectives: {_fmt_collectives(by_node.get(n.name, []))}")
+        elif isinstance(op, ops.VocabParallelLinearCrossEntropy):
+            smooth = f", label_smoothing={op.label_smoothing} over V={op.vocab}" if op.label_smoothing else ""
+            where = "**vocab-parallel**, " if op.size > 1 else ""
+            L.append(f"- `{n.name}` LM head + cross_entropy (reduction={_REDUCTIONS.get(op.reduction, op.reduction)}, "
+                     f"ignore_index={op.ignore_index}{smooth}): {where}chunked, {op.chunks} chunks of {op.chunk} "
+                     f"rows, the logits never whole (see Chunked loss). Collectives: "
+                     f"{_fmt_grouped(by_node.get(n.name, [])) if op.size > 1 else 'none'}")
         elif isinstance(op, ops.VocabParallelLogsumexp):
             L.append(f"- `{n.name}` logsumexp over dims {list(op.dims)}: **vocab-parallel**, `{n.args[0].name}` "
                      f"stays sharded on dim {op.dim}, never gathered. Collectives: "

@@ -148,31 +148,57 @@ class VocabParallelCrossEntropy(ParallelOp):
 
 
 class VocabParallelLinearCrossEntropy(ParallelOp):
-    """The column-parallel LM head and the vocab-parallel cross-entropy as one op, chunked over ``rows``
-    so the ``[rows, V/t]`` logits never exist whole (``runtime/chunked_loss.py``). Inputs: the hidden
-    states ``[rows, H]`` (replicated), this rank's head rows ``[V/t, H]``, the targets ``[rows]``.
-    Traffic: per chunk, the cross-entropy's max and stacked statistics; in backward, the hidden states'
-    gradient all-reduce that the head's ``f`` did."""
+    """The LM head and the vocab-parallel cross-entropy as one op, chunked over ``rows`` so the
+    ``[rows, V/t]`` logits never exist whole (``runtime/chunked_loss.py``; ``passes/chunk_loss.py`` makes
+    it where only the loss reads the logits). Inputs: the hidden states ``[rows, H]`` (replicated on tp),
+    this rank's head rows ``[V/t, H]``, the targets ``[rows]``. It carries what
+    ``VocabParallelCrossEntropy`` carries, plus ``chunk`` (rows per chunk) and ``reduce_input_grad``: the
+    hidden states' gradient is a partial sum over the vocab shards, all-reduced here in backward when the
+    head was a ``ColumnParallelMatmul`` (its ``f`` fused in), and left to the ``f`` still in the graph
+    otherwise. Traffic, per chunk: the cross-entropy's row max and stacked statistics, for the chunk's rows;
+    then that one gradient all-reduce. At tp = 1 every collective is the identity and none is listed."""
 
     def __init__(self, axis, size, rows: int, hidden: int, start: int, valid: int, ignore_index: int,
-                 reduction: int, chunk: int, out_dtype: torch.dtype | None = None):
+                 reduction: int, chunk: int, label_smoothing: float = 0.0, vocab: int | None = None,
+                 reduce_input_grad: bool = True, out_dtype: torch.dtype | None = None):
         super().__init__(axis, size)
+        if chunk < 1:
+            raise ValueError(f"a chunked cross-entropy needs at least one row per chunk, got {chunk}")
+        if label_smoothing and vocab is None:
+            raise ValueError("a label-smoothed chunked cross-entropy needs the global vocab size")
         self.rows, self.hidden, self.start, self.valid = rows, hidden, start, valid
-        self.out_dtype = out_dtype        # the replaced loss's dtype (fp32 when the logits were cast)
         self.ignore_index, self.reduction, self.chunk = ignore_index, reduction, chunk
+        self.label_smoothing, self.vocab = float(label_smoothing), vocab
+        self.reduce_input_grad, self.out_dtype = reduce_input_grad, out_dtype
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.rows // self.chunk)
+
+    @property
+    def stats(self) -> int:
+        """Row statistics in each chunk's stacked all-reduce (as ``VocabParallelCrossEntropy.stats``)."""
+        return 3 if self.label_smoothing else 2
 
     def meta_forward(self, h, weight, target):
         return h.new_empty((), dtype=self.out_dtype or h.dtype)
 
     def steps(self):
+        if self.size == 1:
+            return []
         out = []
         for s in range(0, self.rows, self.chunk):
-            out += vocab_parallel_cross_entropy_steps(self.axis, min(self.chunk, self.rows - s))
-        return out + copy_to_parallel_steps(self.axis, (self.rows, self.hidden))
+            out += vocab_parallel_cross_entropy_steps(self.axis, min(self.chunk, self.rows - s), self.stats)
+        if self.reduce_input_grad:
+            out += [replace(c, what="chunked loss: gradient of the LM head's input (the head's f)")
+                    for c in copy_to_parallel_steps(self.axis, (self.rows, self.hidden))]
+        return out
 
     def extra_repr(self):
-        return (f"vocab [{self.start}, {self.start + self.valid}) on {self.axis}, {self.rows} rows in chunks of "
-                f"{self.chunk}, reduction={self.reduction}, ignore_index={self.ignore_index}")
+        return (f"vocab [{self.start}, {self.start + self.valid}) on {self.axis}, {self.rows} rows in {self.chunks} "
+                f"chunks of {self.chunk}, reduction={self.reduction}, ignore_index={self.ignore_index}"
+                + (f", label_smoothing={self.label_smoothing} over {self.vocab} classes" if self.label_smoothing else "")
+                + ("" if self.reduce_input_grad else ", input gradient reduced by the f before it"))
 
 
 class VocabParallelLogsumexp(ParallelOp):

@@ -114,3 +114,7 @@ class CompileOptions:
         if self.mixed_precision not in (None, "bf16"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: the supported value is 'bf16' (fp32 "
                              "parameters and gradients, bf16 compute, fp32 loss reductions), or None")
+        rows = self.loss_chunk_rows
+        if not (rows is None or rows == "auto" or (isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0)):
+            raise ValueError(f"loss_chunk_rows={rows!r}: rows per chunk of the LM head + loss are 'auto' (Liger's "
+                             "rule with a floor), a positive int, or None / 0 (never chunk)")

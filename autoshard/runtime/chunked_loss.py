@@ -2,17 +2,18 @@
 
 Liger's fused linear cross-entropy, over a vocab sharded on tp (Megatron's vocab-parallel loss): for
 each chunk of ``chunk`` rows, the local logits ``h_c W^T`` (fp32), the row max (all-reduce MAX over tp),
-the sum of exps and the target logit (one stacked all-reduce), the loss rows, and, when a gradient is
-wanted, the gradient in place (``softmax - onehot``, scaled) folded at once into ``dh_c = g_c W`` and
-``dW += g_c^T h_c``; then the chunk is dropped. The loss is a scalar at the end of the program, so its
-gradient is computed in forward and backward only scales it by the incoming ``g`` and all-reduces
-``dh`` over tp (the partial sum over vocab shards that the column-parallel matmul's ``f`` would have
-reduced). Peak memory for the loss is one ``[chunk, V/t]`` buffer plus ``dW`` and ``dh``, against two
-``[rows, V/t]`` buffers unchunked.
+the sum of exps and the target logit (one stacked all-reduce, plus the row sum of the logits with label
+smoothing), the loss rows, and, when a gradient is wanted, the gradient in place (``softmax - onehot``,
+scaled) folded at once into ``dh_c = g_c W`` and ``dW += g_c^T h_c``; then the chunk is dropped. The
+loss is a scalar at the end of the program, so its gradient is computed in forward and backward only
+scales it by the incoming ``g`` and, where the head's ``f`` was fused into it, all-reduces ``dh`` over
+tp (the partial sum over vocab shards that the column-parallel matmul's backward would have reduced).
+Peak memory for the loss is one ``[chunk, V/t]`` buffer plus ``dW`` and ``dh``, against one
+``[rows, V/t]`` buffer plus ``dW`` and ``dh`` unchunked.
 
-Semantics are the unchunked loss's: ``ignore_index`` rows have loss and gradient 0; the mean divides by
-the kept rows (NaN when none are, with a zero gradient); padded vocab columns (``>= valid``) take no
-probability; statistics in fp32 whatever the dtype.
+Semantics are the unchunked loss's (``runtime/losses.py``): ``ignore_index`` rows have loss and gradient
+0; the mean divides by the kept rows (NaN when none are, with a zero gradient); padded vocab columns
+(``>= valid``) take no probability and no smoothing mass; statistics in fp32 whatever the dtype.
 """
 from __future__ import annotations
 
@@ -21,13 +22,23 @@ import torch.distributed as dist
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """``apply(h [rows, H], weight [V/t, H], target [rows], comm, start, valid, ignore_index, reduction,
+    chunk, grad_enabled, out_dtype, label_smoothing, vocab, reduce_input_grad)``: the arguments of
+    ``ir.ops.VocabParallelLinearCrossEntropy``. ``grad_enabled`` is the caller's grad mode:
+    ``needs_input_grad`` is still true inside ``forward`` under ``no_grad``, and the gradients are
+    computed only where autograd will ask for them. ``comm`` is None at tp = 1."""
+
     @staticmethod
     def forward(ctx, h, weight, target, comm, start: int, valid: int, ignore_index: int, reduction: int,
-                chunk: int, grad_enabled: bool = True, out_dtype=None):
+                chunk: int, grad_enabled: bool = True, out_dtype=None, label_smoothing: float = 0.0,
+                vocab: int | None = None, reduce_input_grad: bool = True):
+        out_dtype = out_dtype or h.dtype    # fp32 when the model cast its logits (HF's logits.float())
         if h.is_meta:
-            return h.new_empty(())
+            return h.new_empty((), dtype=out_dtype)
+        eps = float(label_smoothing)
+        if eps and not vocab:
+            raise ValueError("a label-smoothed chunked cross-entropy needs the global vocab size")
         rows, local_vocab = h.shape[0], weight.shape[0]
-        # needs_input_grad is set under no_grad too: the caller passes whether autograd will ask
         want_h, want_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         keep = target != ignore_index
         count = keep.sum()
@@ -39,40 +50,60 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         losses = torch.empty(rows, dtype=torch.float32, device=h.device)
         dh = torch.empty_like(h) if want_h else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if want_w else None
+        # one [chunk, V/t] fp32 buffer for every chunk (and one in h's dtype when that is not fp32): a fresh
+        # allocation per chunk is a fresh mapping of pages on CPU, which cost ~20% of the matmul it fed
+        buf = torch.empty((min(chunk, rows), local_vocab), dtype=torch.float32, device=h.device)
+        low = None if h.dtype == torch.float32 else torch.empty(buf.shape, dtype=h.dtype, device=h.device)
         for s in range(0, rows, chunk):
             e = min(s + chunk, rows)
-            hc = h[s:e]
-            x = (hc @ weight.t()).float()                                  # [c, V/t]: the one buffer
+            hc, x = h[s:e], buf[: e - s]
+            if low is None:
+                torch.mm(hc, weight.t(), out=x)                             # the local logits, fp32
+            else:  # the matmul in h's dtype, then fp32, as the unchunked loss casts its logits
+                x.copy_(torch.mm(hc, weight.t(), out=low[: e - s]))
+            real = x
             if valid < local_vocab:
                 x[:, valid:] = float("-inf")
-            row_max = x[:, :valid].amax(dim=1) if valid else x.new_full((x.shape[0],), float("-inf"))
+                real = x[:, :valid]
+            row_max = real.amax(dim=1) if valid else x.new_full((e - s,), float("-inf"))
             if comm is not None:
                 row_max = comm.all_reduce(row_max, "fwd", op=dist.ReduceOp.MAX)
             x.sub_(row_max.unsqueeze(1))
             lt = local_t[s:e].unsqueeze(1)
-            target_logit = torch.where(in_shard[s:e], x.gather(1, lt).squeeze(1), 0.0)
+            # where, not a product: a -inf logit on a rank that does not hold the target must not make NaN
+            stats = [torch.where(in_shard[s:e], x.gather(1, lt).squeeze(1), 0.0)]
+            if eps:  # the row sum of the (shifted) real logits, before exp_ overwrites them
+                stats.append(real.sum(dim=1))
             exp = x.exp_()
-            stats = torch.stack([exp.sum(dim=1), target_logit])
+            stats = torch.stack([exp.sum(dim=1)] + stats)
             if comm is not None:
                 stats = comm.all_reduce(stats, "fwd")
-            losses[s:e] = torch.where(keep[s:e], stats[0].log() - stats[1], 0.0)
-            if want_h or want_w:
-                # softmax * scale - onehot * scale in one pass over the chunk: exp * (scale / sum of exps)
-                row_scale = scale[s:e]
-                grad = exp.mul_((row_scale / stats[0]).unsqueeze(1))
-                grad.scatter_add_(1, lt, -(hit[s:e] * row_scale).unsqueeze(1))
-                g = grad.to(h.dtype)
-                if want_h:
-                    dh[s:e] = g @ weight
-                if want_w:
-                    dw.addmm_(g.t().float(), hc.float())
-            del x, exp
+            lse = stats[0].log()           # of the shifted row: the row max cancels in every term
+            loss = lse - stats[1]
+            if eps:
+                loss = (1.0 - eps) * loss + eps * (lse - stats[2] / vocab)
+            losses[s:e] = torch.where(keep[s:e], loss, 0.0)
+            if not (want_h or want_w):
+                continue
+            # (softmax - (1 - eps) onehot - eps / V) * scale in place: exp * (scale / sum of exps) first
+            row_scale = scale[s:e]
+            grad = exp.mul_((row_scale / stats[0]).unsqueeze(1))
+            grad.scatter_add_(1, lt, -((1.0 - eps) * hit[s:e] * row_scale).unsqueeze(1))
+            if eps:  # the uniform target: real columns only
+                grad[:, :valid].sub_((eps / vocab * row_scale).unsqueeze(1))
+            if want_h:  # in h's dtype, as the head's matmul backward computes it
+                g = grad if low is None else low[: e - s].copy_(grad)
+                torch.mm(g, weight, out=dh[s:e])
+            if want_w:  # summed over chunks in fp32 (from the fp32 gradient: one rounding, at the end)
+                dw.addmm_(grad.t(), hc if hc.dtype == torch.float32 else hc.float())
+        del buf, low
         total = losses.sum()
         loss = total / count if reduction == 1 else total
         ctx.save_for_backward(*(t for t in (dh, dw) if t is not None))
         ctx.has = (want_h, want_w)
         ctx.comm, ctx.w_dtype, ctx.spent = comm, weight.dtype, False
-        return loss.to(out_dtype or h.dtype)      # fp32 when the model cast its logits (HF's logits.float())
+        ctx.reduce_input_grad = reduce_input_grad
+        return loss.to(out_dtype)
 
     @staticmethod
     def backward(ctx, g):
@@ -86,10 +117,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         dh = dw = None
         if ctx.has[0]:
             dh = saved.pop(0)
-            dh = dh if one else dh * g
+            dh = dh if one else dh * g.to(dh.dtype)
+            if ctx.reduce_input_grad and ctx.comm is not None:
+                dh = ctx.comm.all_reduce(dh, "bwd")
         if ctx.has[1]:
             dw = saved.pop(0)
             dw = (dw if one else dw * g.float()).to(ctx.w_dtype)
-        if dh is not None and ctx.comm is not None:
-            dh = ctx.comm.all_reduce(dh, "bwd")
-        return dh, dw, None, None, None, None, None, None, None, None, None
+        return (dh, dw) + (None,) * 12
