@@ -2,7 +2,7 @@
 the logits (``loss_only``, and every ``pm.step`` program).
 
 The pattern is the head's matmul (``ColumnParallelMatmul`` at tp > 1; ``linear`` at tp = 1, or at tp > 1
-with ``overlap_grad_allreduce`` disabled; no bias, weight stored ``(out, in)``), read by nothing but views
+with ``overlap_grad_allreduce`` disabled; with or without a bias, weight stored ``(out, in)``), read by nothing but views
 and a cast to fp32, then the cross-entropy (``VocabParallelCrossEntropy`` at tp > 1, ``cross_entropy_loss``
 at tp = 1) with mean or sum reduction, any ``ignore_index`` and label smoothing, no class weights. It
 becomes one ``VocabParallelLinearCrossEntropy`` record (at tp = 1 too, where its collectives are the
@@ -99,12 +99,8 @@ def _head(gm, logits: fx.Node) -> tuple:
     if cur.op == "call_module" and isinstance(gm.get_submodule(cur.target), ops.ColumnParallelMatmul):
         if gm.get_submodule(cur.target).transposed:
             return None, chain, "the LM head stores its weight (in, out) (HF Conv1D): not chunked"
-        if len(cur.args) > 2 and cur.args[2] is not None:
-            return None, chain, "the LM head has a bias: not chunked"
         return cur, chain, ""
     if cur.op == "call_function" and cur.target is aten.linear.default:
-        if len(cur.args) > 2 and cur.args[2] is not None:
-            return None, chain, "the LM head has a bias: not chunked"
         return cur, chain, ""
     return None, chain, (f"the loss's logits come from {what}, not from a linear LM head through views and "
                          "casts alone")
@@ -119,6 +115,7 @@ def _rewrite(gm, n, a, chunk_rows) -> ChunkedLoss:
     if head is None:
         return ChunkedLoss(n.name, False, why)
     h, weight = head.args[0], head.args[1]
+    bias = head.args[2] if len(head.args) > 2 else None
     rows, local_vocab = M.LOCAL_SHAPE.get(a["logits"])
     hidden = M.LOCAL_SHAPE.get(weight)[1]
     if math.prod(M.LOCAL_SHAPE.get(h)) != rows * hidden:
@@ -146,7 +143,7 @@ def _rewrite(gm, n, a, chunk_rows) -> ChunkedLoss:
             out_dtype=val.dtype if isinstance(val, torch.Tensor) else None)
         name = f"chunked_cross_entropy_{sum(1 for _ in gm.named_children())}"
         gm.add_submodule(name, op)
-        new = gm.graph.call_module(name, (h2, weight, a["target"]))
+        new = gm.graph.call_module(name, (h2, weight, a["target"]) + ((bias,) if bias is not None else ()))
     M.LOCAL_SHAPE.set(h2, (rows, hidden))
     M.GLOBAL_SHAPE.set(h2, (rows, hidden))            # replicated on tp: the local shape is the global one
     for key in (M.SPEC, M.REQUIRES_GRAD):

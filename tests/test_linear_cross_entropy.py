@@ -108,12 +108,17 @@ def test_bf16_at_tp2_matches_the_unchunked_bf16_program():
             assert float((grads[name].double() - g.double()).norm() / g.double().norm()) < 2e-2, name
 
 
-def test_a_head_with_a_bias_is_left_alone_and_says_why():
-    model = Head(97, bias=True)
-    prog = autoshard.compile_rank(model, MeshSpec(tp=2), 0, inputs(97),
-                                  options=autoshard.CompileOptions(pins=PIN, loss_chunk_rows=12))
-    (record,) = prog.gm.meta[CHUNKED_LOSS].losses
-    assert not record.rewritten and "bias" in record.why and not _chunked_nodes(prog)
+@pytest.mark.parametrize("t", [1, 2])
+def test_a_head_with_a_bias_is_chunked_with_its_bias_gradient(t):
+    """GPT-J and Phi put a bias on the LM head: added per chunk, its gradient summed over the chunks (at
+    tp=2 the bias is cut by vocab with the head, the padded column of rank 1 included)."""
+    model = Head(97, bias=True, smoothing=0.1)
+    args = inputs(97, ignore=-100, rows_ignored=3)
+    options = dict(pins=PIN, loss_chunk_rows=12)
+    assert_exact(model, t, args, **options)
+    for *_, prog, _, _ in _same_as_unchunked(model, t, args, **options):
+        (record,) = prog.gm.meta[CHUNKED_LOSS].losses
+        assert record.rewritten and record.chunks == 3
 
 
 def test_reduction_none_is_left_alone_and_says_why():

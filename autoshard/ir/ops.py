@@ -151,7 +151,8 @@ class VocabParallelLinearCrossEntropy(ParallelOp):
     """The LM head and the vocab-parallel cross-entropy as one op, chunked over ``rows`` so the
     ``[rows, V/t]`` logits never exist whole (``runtime/chunked_loss.py``; ``passes/chunk_loss.py`` makes
     it where only the loss reads the logits). Inputs: the hidden states ``[rows, H]`` (replicated on tp),
-    this rank's head rows ``[V/t, H]``, the targets ``[rows]``. It carries what
+    this rank's head rows ``[V/t, H]``, the targets ``[rows]``, and the head's bias ``[V/t]`` when it has
+    one. It carries what
     ``VocabParallelCrossEntropy`` carries, plus ``chunk`` (rows per chunk) and ``reduce_input_grad``: the
     hidden states' gradient is a partial sum over the vocab shards, all-reduced here in backward when the
     head was a ``ColumnParallelMatmul`` (its ``f`` fused in), and left to the ``f`` still in the graph
@@ -180,7 +181,7 @@ class VocabParallelLinearCrossEntropy(ParallelOp):
         """Row statistics in each chunk's stacked all-reduce (as ``VocabParallelCrossEntropy.stats``)."""
         return 3 if self.label_smoothing else 2
 
-    def meta_forward(self, h, weight, target):
+    def meta_forward(self, h, weight, target, bias=None):
         return h.new_empty((), dtype=self.out_dtype or h.dtype)
 
     def steps(self):

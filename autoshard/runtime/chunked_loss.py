@@ -23,15 +23,15 @@ import torch.distributed as dist
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """``apply(h [rows, H], weight [V/t, H], target [rows], comm, start, valid, ignore_index, reduction,
-    chunk, grad_enabled, out_dtype, label_smoothing, vocab, reduce_input_grad)``: the arguments of
-    ``ir.ops.VocabParallelLinearCrossEntropy``. ``grad_enabled`` is the caller's grad mode:
+    chunk, grad_enabled, out_dtype, label_smoothing, vocab, reduce_input_grad, bias [V/t] or None)``: the
+    arguments of ``ir.ops.VocabParallelLinearCrossEntropy``. ``grad_enabled`` is the caller's grad mode:
     ``needs_input_grad`` is still true inside ``forward`` under ``no_grad``, and the gradients are
     computed only where autograd will ask for them. ``comm`` is None at tp = 1."""
 
     @staticmethod
     def forward(ctx, h, weight, target, comm, start: int, valid: int, ignore_index: int, reduction: int,
                 chunk: int, grad_enabled: bool = True, out_dtype=None, label_smoothing: float = 0.0,
-                vocab: int | None = None, reduce_input_grad: bool = True):
+                vocab: int | None = None, reduce_input_grad: bool = True, bias=None):
         out_dtype = out_dtype or h.dtype    # fp32 when the model cast its logits (HF's logits.float())
         if h.is_meta:
             return h.new_empty((), dtype=out_dtype)
@@ -40,6 +40,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             raise ValueError("a label-smoothed chunked cross-entropy needs the global vocab size")
         rows, local_vocab = h.shape[0], weight.shape[0]
         want_h, want_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
+        want_b = bias is not None and grad_enabled and ctx.needs_input_grad[-1]
         keep = target != ignore_index
         count = keep.sum()
         in_shard = (target >= start) & (target < start + valid)
@@ -50,6 +51,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         losses = torch.empty(rows, dtype=torch.float32, device=h.device)
         dh = torch.empty_like(h) if want_h else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if want_w else None
+        db = torch.zeros(local_vocab, dtype=torch.float32, device=h.device) if want_b else None
         # one [chunk, V/t] fp32 buffer for every chunk (and one in h's dtype when that is not fp32): a fresh
         # allocation per chunk is a fresh mapping of pages on CPU, which cost ~20% of the matmul it fed
         buf = torch.empty((min(chunk, rows), local_vocab), dtype=torch.float32, device=h.device)
@@ -57,10 +59,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         for s in range(0, rows, chunk):
             e = min(s + chunk, rows)
             hc, x = h[s:e], buf[: e - s]
-            if low is None:
+            if low is None and bias is None:
                 torch.mm(hc, weight.t(), out=x)                             # the local logits, fp32
+            elif low is None:
+                torch.addmm(bias, hc, weight.t(), out=x)
             else:  # the matmul in h's dtype, then fp32, as the unchunked loss casts its logits
-                x.copy_(torch.mm(hc, weight.t(), out=low[: e - s]))
+                mm = torch.mm(hc, weight.t(), out=low[: e - s]) if bias is None else \
+                    torch.addmm(bias, hc, weight.t(), out=low[: e - s])
+                x.copy_(mm)
             real = x
             if valid < local_vocab:
                 x[:, valid:] = float("-inf")
@@ -83,7 +89,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             if eps:
                 loss = (1.0 - eps) * loss + eps * (lse - stats[2] / vocab)
             losses[s:e] = torch.where(keep[s:e], loss, 0.0)
-            if not (want_h or want_w):
+            if not (want_h or want_w or want_b):
                 continue
             # (softmax - (1 - eps) onehot - eps / V) * scale in place: exp * (scale / sum of exps) first
             row_scale = scale[s:e]
@@ -96,12 +102,15 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 torch.mm(g, weight, out=dh[s:e])
             if want_w:  # summed over chunks in fp32 (from the fp32 gradient: one rounding, at the end)
                 dw.addmm_(grad.t(), hc if hc.dtype == torch.float32 else hc.float())
+            if want_b:
+                db += grad.sum(dim=0)
         del buf, low
         total = losses.sum()
         loss = total / count if reduction == 1 else total
-        ctx.save_for_backward(*(t for t in (dh, dw) if t is not None))
-        ctx.has = (want_h, want_w)
+        ctx.save_for_backward(*(t for t in (dh, dw, db) if t is not None))
+        ctx.has = (want_h, want_w, want_b)
         ctx.comm, ctx.w_dtype, ctx.spent = comm, weight.dtype, False
+        ctx.b_dtype = bias.dtype if bias is not None else None
         ctx.reduce_input_grad = reduce_input_grad
         return loss.to(out_dtype)
 
@@ -114,7 +123,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.spent = True
         saved = list(ctx.saved_tensors)
         one = bool(g == 1)       # loss.backward(): the gradients are ready, handed over without a copy
-        dh = dw = None
+        dh = dw = db = None
         if ctx.has[0]:
             dh = saved.pop(0)
             dh = dh if one else dh * g.to(dh.dtype)
@@ -123,4 +132,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         if ctx.has[1]:
             dw = saved.pop(0)
             dw = (dw if one else dw * g.float()).to(ctx.w_dtype)
-        return (dh, dw) + (None,) * 12
+        if ctx.has[2]:
+            db = saved.pop(0)
+            db = (db if one else db * g.float()).to(ctx.b_dtype)
+        return (dh, dw) + (None,) * 12 + (db,)
