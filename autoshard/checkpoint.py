@@ -59,7 +59,7 @@ def _init_state(pm, optimizer) -> None:
     """Give every parameter its optimizer state (Adam's moments are made on the first step), with a step
     at lr 0 on zero gradients, as ``torch.distributed.checkpoint.state_dict`` does; nothing moves."""
     inner = getattr(optimizer, "inner", optimizer)
-    named = _named(pm, optimizer)
+    named = [(n, p) for n, p in _named(pm, optimizer) if p.requires_grad]    # a frozen one has no state
     if all(p in inner.state for _, p in named):
         return
     saved_grads = {n: p.grad for n, p in named}
@@ -81,9 +81,14 @@ def _hyper(optimizer) -> list:
              and not torch.is_tensor(v)} for g in inner.param_groups]
 
 
+def _rng_paths(path: str) -> tuple:
+    return (os.path.join(path, "rng", f"rank{_rank()}.pt"), os.path.join(path, "rng", f"rank{_rank()}_cuda.pt"))
+
+
 def save(pm, optimizer, path: str, step: int | None = None) -> str:
     """Write a sharded checkpoint of ``pm`` and ``optimizer`` (may be None) to ``path``; every rank calls
     it. Returns the path."""
+    path = os.path.normpath(path)      # "ckpt/" and "ckpt" are one checkpoint (and tmp is its sibling)
     tmp = f"{path}.partial"
     if _rank() == 0 and os.path.exists(tmp):
         shutil.rmtree(tmp)
@@ -93,7 +98,10 @@ def save(pm, optimizer, path: str, step: int | None = None) -> str:
         state["optim"] = _optim_state(pm, optimizer)
     dcp.save(state, checkpoint_id=tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
-    torch.save(torch.get_rng_state(), os.path.join(tmp, "rng", f"rank{_rank()}.pt"))
+    cpu_rng, cuda_rng = _rng_paths(tmp)
+    torch.save(torch.get_rng_state(), cpu_rng)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # dropout on a GPU draws from its generator
+        torch.save(torch.cuda.get_rng_state(), cuda_rng)
     _barrier()
     if _rank() == 0:
         prog = pm.program
@@ -112,6 +120,7 @@ def save(pm, optimizer, path: str, step: int | None = None) -> str:
 def load(pm, optimizer, path: str) -> int | None:
     """Load a checkpoint written by ``save`` (on this mesh or another) into ``pm`` and ``optimizer``;
     every rank calls it. Returns the saved step."""
+    path = os.path.normpath(path)
     meta_path = os.path.join(path, "meta.json")
     if not os.path.exists(meta_path):
         raise FileNotFoundError(f"{path} is not a complete autoshard checkpoint (no meta.json): the save that wrote "
@@ -120,17 +129,31 @@ def load(pm, optimizer, path: str) -> int | None:
         meta = json.load(f)
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: checkpoint format {meta.get('format')}, this autoshard reads {FORMAT}")
+    if optimizer is not None:
+        saved_class, want = meta.get("optimizer"), type(getattr(optimizer, "inner", optimizer)).__name__
+        if saved_class is None:
+            raise ValueError(f"{path} was saved without an optimizer (autoshard.save(pm, None, ...)): load it with "
+                             "autoshard.load(pm, None, path), and the optimizer starts fresh")
+        if saved_class != want:
+            raise ValueError(f"{path} holds {saved_class} state, not {want}: load it into a {saved_class}, or "
+                             "pass optimizer=None to load the model alone")
     state = {"model": pm.state_dict()}
     if optimizer is not None:
         _init_state(pm, optimizer)
-        state["optim"] = _optim_state(pm, optimizer)
+        held = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        # a parameter not yet stepped when it was saved has no state there: it gets none here either
+        state["optim"] = {k: v for k, v in _optim_state(pm, optimizer).items() if f"optim.{k}" in held}
     dcp.load(state, checkpoint_id=path)
     pm.load_state_dict(state["model"])
     if optimizer is not None:
         inner = getattr(optimizer, "inner", optimizer)
         with torch.no_grad():
             for name, p in _named(pm, optimizer):
-                for key, value in inner.state.get(p, {}).items():
+                values = inner.state.get(p, {})
+                if any(torch.is_tensor(v) and f"{name}.{k}" not in state["optim"] for k, v in values.items()):
+                    inner.state.pop(p)
+                    continue
+                for key, value in values.items():
                     if torch.is_tensor(value):
                         loaded = state["optim"][f"{name}.{key}"]
                         if value.dim() and value.shape == p.shape:
@@ -138,7 +161,9 @@ def load(pm, optimizer, path: str) -> int | None:
                         value.copy_(loaded)
         for g, saved in zip(inner.param_groups, meta.get("param_groups", [])):
             g.update({k: tuple(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()})
-    rng = os.path.join(path, "rng", f"rank{_rank()}.pt")
-    if os.path.exists(rng) and meta.get("mesh") == {a: pm.program.mesh.axis_size(a) for a in ("dp", "pp", "tp")}:
-        torch.set_rng_state(torch.load(rng, weights_only=True))
+    cpu_rng, cuda_rng = _rng_paths(path)
+    if os.path.exists(cpu_rng) and meta.get("mesh") == {a: pm.program.mesh.axis_size(a) for a in ("dp", "pp", "tp")}:
+        torch.set_rng_state(torch.load(cpu_rng, weights_only=True))
+        if os.path.exists(cuda_rng) and torch.cuda.is_available():
+            torch.cuda.set_rng_state(torch.load(cuda_rng, weights_only=True))
     return meta.get("step")

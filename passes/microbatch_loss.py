@@ -13,7 +13,8 @@ the graph into a small count graph that the runtime runs per microbatch. Only th
 the total, so its all-reduce over dp overlaps the first forward. A loss it cannot analyse (class
 weights, a loss computed from several terms, targets computed from a buffer) stays as it is and is
 divided by the number of microbatches (the mean of microbatch means); ``LossRewrite.reason`` says why,
-and ``pipeline.md`` prints it.
+and ``pipeline.md`` prints it. A ``reduction='sum'`` cross-entropy is already exact: its microbatch
+sums are summed (no count, a denominator of 1).
 """
 from __future__ import annotations
 
@@ -84,8 +85,10 @@ def microbatch_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         a = cross_entropy_args(loss)
         if a["weight"] is not None:
             rewrite.reason = "cross-entropy with class weights (its mean divides by the targets' total weight)"
+        elif a["reduction"] == SUM:   # a sum over the whole batch is the sum of the microbatches' sums
+            rewrite = LossRewrite(True, "cross-entropy (reduction='sum'): the microbatches' sums, summed")
         elif a["reduction"] != MEAN:
-            rewrite.reason = f"cross-entropy with reduction={a['reduction']} (not a mean)"
+            rewrite.reason = f"cross-entropy with reduction={a['reduction']} (not a mean or a sum)"
         else:
             count, inputs = _count_graph(a["target"], a["ignore_index"])
             if count is None:

@@ -43,12 +43,15 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
     clip = options.pop("clip", None)      # clip every step with pm.clip_grad_norm_ (the norm over all stages)
     zero = options.get("zero", 0)         # ZeRO-1: pm.optimizer shards AdamW's state over dp
     accumulate = options.pop("accumulate", False)   # two pm.step calls per optimizer step, no zero_grad
+    late = options.pop("late_receives", False)      # each receive posted at its action, as on NCCL
     model, vocab = build_model(kind, cfg)
     ref = copy.deepcopy(model)
     dp = mesh.get("dp", 1)            # each dp rank steps on its rows of a global batch of B * dp
     device_mesh = autoshard.init_mesh(**mesh)
     args, kwargs = ragged_batch(kind, vocab, B * dp, T, seed=1)
     pm = autoshard.parallelize(model, device_mesh, *autoshard.local_batch((args, kwargs), device_mesh), **options)
+    if late:
+        pm.post_receives_early = False
     if dp > 1 and mesh.get("pp", 1) == 1:   # a ParallelModule: eval forwards work, training ones must refuse
         local_args, local_kwargs = autoshard.local_batch((args, kwargs), device_mesh)
         try:

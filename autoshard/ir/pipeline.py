@@ -49,8 +49,9 @@ class StagePlan:
 class LossRewrite:
     """How the loss of a whole batch is made from microbatches. ``exact``: the graph returns the summed
     cross-entropy of a microbatch and ``count`` counts its non-ignored targets; the runtime divides by the
-    global count. Otherwise the graph returns the model's loss and the runtime divides by the number of
-    microbatches (the mean of microbatch means)."""
+    global count (a summed loss, exact with no ``count``, is divided by nothing). Otherwise the graph
+    returns the model's loss and the runtime divides by the number of microbatches (the mean of
+    microbatch means)."""
     exact: bool
     reason: str
     count: fx.GraphModule | None = None

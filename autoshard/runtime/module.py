@@ -79,7 +79,8 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self._step_compiler = step_compiler
         self.bucket_bytes = DEFAULT_BUCKET_BYTES   # dp gradient buckets of pm.step (DDP's bucket_cap_mb)
         self.zero = 0                              # pm.optimizer's default ZeRO stage (parallelize(zero=...))
-        self.__dict__["_stepper"] = None     # the pm.step executor: shares self.params, not a submodule
+        self.__dict__["_stepper"] = None     # the last pm.step executor: shares self.params, not a submodule
+        self.__dict__["_steppers"] = OrderedDict()   # ProgramKey -> its executor (one per batch shape)
         self.train(model.training)
         self._check_ranks_agree(program, model)
         captured = program.captured
@@ -103,18 +104,31 @@ class ParallelModule(training.TrainingMethods, nn.Module):
     def _buffer(self, name):
         return getattr(self, self._buffer_attr[name])
 
+    def _ensure_buffer(self, name) -> bool:
+        """Register model buffer ``name`` here (a copy, once) if a program reads it; False if it is not one."""
+        if name not in self._model_buffers:
+            return False
+        if name not in self._buffer_attr:
+            self._buffer_attr[name] = f"b{len(self._buffer_names)}"
+            self.register_buffer(self._buffer_attr[name], self._model_buffers[name].detach().clone(),
+                                 persistent=name in self._persistent)
+            self._buffer_names.append(name)
+        return True
+
+    def _step_buffer(self, name):
+        """A buffer for the ``pm.step`` executor: this module's own, so loads and ``.to()`` reach the step."""
+        if not self._ensure_buffer(name):
+            raise ValueError(f"buffer '{name}' of the step program was not found in the model")
+        return self._buffer(name)
+
     def _add(self, k, program):
         """Cache a program. The model's buffers are shared by every program; constants the forward makes
         (``torch.tensor(...)``, lifted by export as ``lifted_tensor_0``, ...) belong to their program alone:
         export numbers them per trace, so another program's ``lifted_tensor_0`` is another tensor."""
         constants = {}
         for name in program.captured.buffer_names:
-            if name in self._model_buffers:
-                if name not in self._buffer_attr:
-                    self._buffer_attr[name] = f"b{len(self._buffer_names)}"
-                    self.register_buffer(self._buffer_attr[name], self._model_buffers[name].detach().clone(),
-                                         persistent=name in self._persistent)
-                    self._buffer_names.append(name)
+            if self._ensure_buffer(name):
+                pass
             elif name in program.captured.constants:
                 constants[name] = program.captured.constants[name].detach().clone()
             else:
@@ -183,17 +197,30 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         """Forward and backward of the whole batch: returns the loss and leaves the gradients in ``.grad``.
         With ``parallelize(..., microbatches=m)`` the batch runs as m microbatches (gradient accumulation)
         whose loss is the whole batch's: the mean cross-entropy is summed and divided by the batch's count
-        of non-ignored targets (``passes/microbatch_loss.py``), so uneven ``ignore_index`` counts are exact."""
-        if self._stepper is None:
+        of non-ignored targets (``passes/microbatch_loss.py``), so uneven ``ignore_index`` counts are exact.
+        Another batch shape (an epoch's short last batch) compiles its own step program on first use, as
+        ``forward`` does; the executors share the parameters (at most ``max_programs`` are kept)."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key = program_key(True, leaves, spec)
+        stepper = self._steppers.get(key)
+        if stepper is None:     # a new batch shape (the last, short batch of an epoch): its own step program
             if self._step_compiler is None:
                 raise RuntimeError("pm.step needs the compiler: build the module with autoshard.parallelize")
             from autoshard.runtime.pipeline import PipelineModule
             pins = {r.name: r.spec.tp for r in self.program.params}
+            start = time.perf_counter()
             program = self._step_compiler(args, kwargs, pins)
-            stepper = PipelineModule(program, None, self.comms, params=self.params, buffers=self._model_buffers,
-                                     persistent=self._persistent)
+            stepper = PipelineModule(program, None, self.comms, params=self.params, buffer_source=self._step_buffer)
             stepper.bucket_bytes = self.bucket_bytes
-            self.__dict__["_stepper"] = stepper
+            self._steppers[key] = stepper
+            if len(self._steppers) > 1:
+                log.info("autoshard: compiled a pm.step program for new inputs %s in %.2f s", key.inputs,
+                         time.perf_counter() - start)
+            while len(self._steppers) > self.max_programs:
+                _, old = self._steppers.popitem(last=False)
+                old.close()
+        self._steppers.move_to_end(key)
+        self.__dict__["_stepper"] = stepper
         return self._stepper.step(*args, **kwargs)
 
     # --- checks ----------------------------------------------------------------------------------------------
@@ -233,17 +260,8 @@ class ParallelModule(training.TrainingMethods, nn.Module):
                 out[b] = self._buffer(b).clone()
         return out
 
-    @torch.no_grad()
-    def load_full_state_dict(self, state_dict, strict: bool = True):
-        missing = [n for n in self.params.records if n not in state_dict]
-        if strict and missing:
-            raise ValueError(f"the state dict lacks parameters {missing}: pass strict=False to load the rest")
-        for name in self.params.records:
-            if name in state_dict:
-                self.params.load_full(name, state_dict[name])
-        for b in self._buffer_names:
-            if b in state_dict:
-                self._buffer(b).copy_(state_dict[b])
+    def _held_buffers(self) -> dict:
+        return {b: self._buffer(b) for b in self._buffer_names}
 
 
 def _state_dict_names(module, state_dict, prefix, local_metadata):

@@ -117,7 +117,8 @@ class ShardedParameters(nn.Module):
         for name, leaf in leaves.items():
             p = self.shards[self.keys[name]]
             local = p._local_tensor if DTensor is not None and isinstance(p, DTensor) else p
-            if local.data_ptr() != leaf.data_ptr() or local.shape != leaf.shape:
+            if local.data_ptr() != leaf.data_ptr() or local.shape != leaf.shape or \
+                    leaf.requires_grad != p.requires_grad:     # frozen or unfrozen since: new leaves, buckets
                 return False
         return True
 

@@ -103,12 +103,13 @@ class PipelineModule(training.TrainingMethods, nn.Module):
     ``peers[i]`` is the global rank of pipeline rank i in this rank's pp group; ``tie_groups`` maps a
     parameter held by several pp ranks to the process group of those ranks (``None``: no ties here).
     A ``ParallelModule`` running its ``step`` through this executor passes its own ``params`` and
-    ``buffers`` (and ``persistent`` buffer names) instead of the model.
+    ``buffer_source`` (name -> its buffer, read at every step, so state loads and ``.to()`` reach the
+    step) instead of the model.
     """
 
     def __init__(self, program: PipelineProgram, model: nn.Module | None, comms: dict | None = None, tp_mesh=None,
                  peers: list | None = None, tie_groups: dict | None = None, params: ShardedParameters | None = None,
-                 buffers: dict | None = None, persistent=()):
+                 buffer_source=None):
         super().__init__()
         coords = program.mesh.coords(program.rank)
         self.program = program
@@ -124,8 +125,9 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         # a tied weight is counted once in the gradient norm: by the lowest pp rank holding it
         self.duplicate_params = {n for n, ranks in ties.items() if ranks[0] != program.pp_rank}
         self.timeout = datetime.timedelta(seconds=pg_timeout_seconds())
-        model_buffers = dict(model.named_buffers()) if model is not None else dict(buffers or {})
-        self._persistent = set(model.state_dict().keys()) if model is not None else set(persistent or ())
+        model_buffers = dict(model.named_buffers()) if model is not None else {}
+        self._persistent = set(model.state_dict().keys()) if model is not None else set()
+        self._buffer_source = buffer_source
         self._buffers_by_name, self._buffer_names = {}, []   # buffer name -> attribute b0, b1, ... (and in order)
         for c in program.own:
             for i in c.inputs:
@@ -144,6 +146,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         self.last_dp_wait = 0.0              # seconds the last step blocked on dp all-reduces after backward
         self.zero = getattr(program.options.pipeline, "zero", 0)
         self.bucket_bytes = DEFAULT_BUCKET_BYTES   # dp gradient buckets (DDP's bucket_cap_mb)
+        self.post_receives_early = None      # every receive posted at the step's start: None = on gloo only
         # count the bytes each microbatch's forward saves for backward (a saved_tensors_hooks callback per
         # saved tensor, a few percent of a step on CPU): on when dumping, or set it for a benchmark
         self.measure_memory = self._dump is not None
@@ -165,7 +168,9 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         if inp.kind == "buffer":
             if inp.name in self._buffers_by_name:
                 return getattr(self, self._buffers_by_name[inp.name])
-            return self._constants[inp.name]
+            if inp.name in self._constants or self._buffer_source is None:
+                return self._constants[inp.name]
+            return self._buffer_source(inp.name)
         return user[inp.name]
 
     def _inputs(self, chunk, boundary, user, params: list) -> list:
@@ -200,7 +205,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
             reducer.begin_step(grads_still_held=grads_held)
         return leaves, reducer
 
-    def _denominator(self, micro_users: list) -> "_Denominator | None":
+    def _denominator(self, micro_users: list, device=None) -> "_Denominator | None":
         """What the loss is divided by: the non-ignored targets of every microbatch of every dp rank (an
         all-reduce over dp, started now and waited for at the first backward), or the number of
         microbatches for the mean-of-means fallback. Only ranks holding the last stage need it."""
@@ -208,14 +213,20 @@ class PipelineModule(training.TrainingMethods, nn.Module):
             return None
         loss, dp = self.program.loss, self.comms["dp"]
         if not loss.exact:
-            return _Denominator(torch.tensor(float(len(micro_users) * dp.size)))
+            return _Denominator(torch.tensor(float(len(micro_users) * dp.size), device=device))
+        if loss.count is None:                 # a summed loss: the microbatches' and replicas' sums add up
+            return _Denominator(torch.tensor(1.0, device=device))
         total = torch.as_tensor(sum(loss.count(*[u[n] for n in loss.count_inputs]) for u in micro_users),
-                                dtype=torch.float32).reshape(1).clone()
+                                dtype=torch.float32, device=device).reshape(1).clone()
         return _Denominator(total, dp.all_reduce_async(total, "count") if dp.size > 1 else None)
 
     def step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of the whole batch over the pipeline: returns the loss (on every rank)
         and leaves each local shard's gradient in ``.grad`` (accumulated, as ``backward`` does)."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("pm.step runs forward and backward over the pipeline and cannot run under "
+                               "torch.no_grad(); to evaluate, call it with grad enabled and discard the gradients "
+                               "(zero_grad), or load pm.full_state_dict() into the single-device model")
         captured, sched = self.program.captured, self.schedule
         m = sched.microbatches
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -259,9 +270,21 @@ class PipelineModule(training.TrainingMethods, nn.Module):
                                                              for r, b in tl.peak_activation_bytes.items()) + "\n")
 
     # --- tied weights ---------------------------------------------------------------------------------------
+    def _held_buffers(self) -> dict:
+        return {name: getattr(self, attr) for name, attr in self._buffers_by_name.items()}
+
+    def close(self) -> None:
+        """Remove the dp reducer's gradient hooks from the step's leaves (an executor no longer used)."""
+        cached = self.__dict__.pop("_leaves_cache", None)
+        if cached is not None and cached[1] is not None:
+            cached[1].close()
+
     def _tied(self):
+        """The tied weights this rank holds a copy of, with their pp group (frozen ones have no gradient)."""
         for name, group in self.tie_groups.items():
-            yield name, self.params.shards[self.params.keys[name]], group
+            p = self.params.shards[self.params.keys[name]]
+            if p.requires_grad:
+                yield name, p, group
 
     def _stash_tied_grads(self) -> dict:
         """Earlier gradients of tied weights (identical on their ranks): kept aside so that only this step's
@@ -286,10 +309,11 @@ class PipelineModule(training.TrainingMethods, nn.Module):
     def full_state_dict(self) -> dict:
         """The single-device state dict (original names, full shapes), on every rank: each pp rank gathers
         its stages over tp, then the stages are exchanged over pp."""
-        mine = {name: self.gather(name, p.detach()).clone() for name, p in self.local_parameters().items()}
+        # on the CPU: all_gather_object pickles, and a CUDA tensor would unpickle on its sender's device
+        mine = {name: self.gather(name, p.detach()).cpu().clone() for name, p in self.local_parameters().items()}
         for name, attr in self._buffers_by_name.items():
             if name in self._persistent:
-                mine[name] = getattr(self, attr).clone()
+                mine[name] = getattr(self, attr).cpu().clone()
         pp = self.comms["pp"]
         parts = [mine]
         if pp.size > 1:
@@ -328,9 +352,11 @@ class _Run:
         self.chunks = {c.index: c for c in prog.own}
         self.inbox, self.outbox, self.saved = {}, {}, {}
         self.pending, self.sends = [], []
-        self.loss = torch.zeros((), dtype=torch.float32)
         self.param_inputs = {}       # stage -> the graph's parameter inputs (local, padded, cast), per step
         self.leaves, self.reducer = pm._step_state(grads_held)
+        # receive buffers, the loss and its divisor live where the step computes (NCCL takes no CPU tensors)
+        self.device = _step_device(self.leaves, users)
+        self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
         self.last_backward = {}                # stage -> its last B action this step (the reducer arms there)
         for a in prog.schedule.actions.get(self.me, []):
             if a.kind is Kind.B:
@@ -357,7 +383,7 @@ class _Run:
             chunk = self.chunks[a.stage]
             forward = a.kind is Kind.RECV_F
             shape, dtype = (chunk.in_shape, chunk.in_dtype) if forward else (chunk.out_shape, chunk.out_dtype)
-            tensor = torch.empty(shape, dtype=dtype)
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
             sender = a.stage - 1 if forward else a.stage + 1
             op = dist.P2POp(dist.irecv, tensor, peer, tag=_tag(a.kind, sender, a.microbatch, self.m))
             self.pending.append((a, op, tensor))
@@ -435,7 +461,8 @@ class _Run:
         if chunk.last:     # seed with 1 / (the global batch's count): the loss is the global mean
             grad = self.denominator.reciprocal(out.dtype)
         t0 = time.perf_counter() - self.start
-        torch.autograd.backward(out, grad)
+        if out.requires_grad:     # not when every parameter of a first stage is frozen: nothing to do
+            torch.autograd.backward(out, grad)
         self.held -= nbytes
         if x is not None:
             if self.sched.rank_of(a.stage - 1) == self.me:
@@ -456,17 +483,23 @@ class _Run:
         computes, instead of starting when the data is needed. The buffers are the boundary tensors of
         the step's microbatches: small next to the activations they feed. Sends go out right after the
         compute that made them."""
-        receives = [a for a in actions if a.kind in (Kind.RECV_F, Kind.RECV_B)]
-        for a in receives:
-            self._post(a)
-        self._flush()
+        # up front on gloo, whose transfers each run on their own; NCCL runs a rank's batched transfers on one
+        # stream in order, where a group of every receive would wait for sends queued behind it: there
+        # each receive is posted at its place in the action list (batched with the sends next to it)
+        early = self.pm.post_receives_early
+        up_front = _backend() == "gloo" if early is None else early
+        if up_front:
+            for a in actions:
+                if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                    self._post(a)
+            self._flush()
         # counted while the first receive is in flight (a later stage waits for it anyway)
-        self.denominator = self.pm._denominator(self.users)
+        self.denominator = self.pm._denominator(self.users, self.device)
         for a in actions:
             if a.is_compute:
                 self._flush()
                 (self._forward if a.kind is Kind.F else self._backward)(a)
-            elif a.kind in (Kind.SEND_F, Kind.SEND_B):
+            elif a.kind in (Kind.SEND_F, Kind.SEND_B) or not up_front:
                 self._post(a)
         self._flush()
         for a, work, _ in self.sends:
@@ -480,6 +513,18 @@ class _Run:
         end = time.perf_counter() - self.start
         return Timeline(self.sched.name, self.sched.pp, {self.me: self.spans}, end, {self.me: self.busy},
                         {self.me: self.peak})
+
+
+def _backend() -> str:
+    return dist.get_backend() if dist.is_available() and dist.is_initialized() else "gloo"
+
+
+def _step_device(leaves: dict, users: list) -> torch.device:
+    """Where the step computes: its parameters' device, or its inputs' for a rank holding none."""
+    for t in list(leaves.values()) + [v for u in users for v in u.values()]:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
 
 
 class _SavedBytes:

@@ -113,6 +113,13 @@ class TrainingMethods(CommCounting):
         """``{original name: parameter}`` (a DTensor on a real mesh, a local tensor otherwise)."""
         return {name: self.params.shards[k] for name, k in self.params.keys.items()}
 
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """This rank's parameters under the model's own names (``transformer.h.0.attn.c_attn.weight``, not
+        the internal ``params.shards.p3``), as the single-device model names them: for param groups,
+        logging and clipping by name. A tied weight appears once, under its first name."""
+        for name, p in self.local_parameters().items():
+            yield (f"{prefix}.{name}" if prefix else name), p
+
     def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The full tensor of parameter ``name``'s shard (or its gradient); a collective when sharded."""
         return self.params.gather(name, local)
@@ -122,17 +129,39 @@ class TrainingMethods(CommCounting):
         stage, replicas and a tied weight's second copy counted once."""
         return clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict, strict: bool = True):
+        """Load a single-device state dict (original names, full shapes; a ``from_pretrained`` model's
+        ``state_dict()``): each rank copies in its own shards of its own stages' parameters and buffers.
+        This is how a model built on ``meta`` gets its real weights."""
+        missing = [n for n in self.params.records if n not in state_dict]
+        if strict and missing:
+            raise ValueError(f"the state dict lacks parameters {missing}: pass strict=False to load the rest")
+        for name in self.params.records:
+            if name in state_dict:
+                self.params.load_full(name, state_dict[name])
+        for name, buf in self._held_buffers().items():
+            if name in state_dict:
+                buf.copy_(state_dict[name])
+
     def check_replicas(self):
         """Raise on every rank, naming the parameters, if copies that should be identical have drifted."""
         check_replicas(self)
 
-    def optimizer(self, optimizer_class, *, zero: int | None = None, **defaults):
-        """A torch optimizer over this rank's parameters. ``zero=1`` (default: ``parallelize(zero=...)``)
-        shards its state over the dp group (ZeRO-1, ``runtime/zero.py``)."""
+    def optimizer(self, optimizer_class, params=None, *, zero: int | None = None, **defaults):
+        """A torch optimizer over this rank's parameters. ``params``, optional, are torch's param groups
+        with parameters given by name or as this module's parameters (``[{"params": ["lm_head.weight"],
+        "weight_decay": 0.0}, ...]``); a parameter in no group is not stepped, as in torch. ``zero=1`` (default:
+        ``parallelize(zero=...)``) shards its state over the dp group (ZeRO-1, ``runtime/zero.py``)."""
         zero = getattr(self, "zero", 0) if zero is None else zero
         if zero not in (0, 1):
             raise ValueError(f"zero={zero!r}: autoshard implements ZeRO stage 1 (zero=1) or none (zero=0)")
         if zero == 1:
             from autoshard.runtime.zero import ZeroOptimizer
-            return ZeroOptimizer(self, optimizer_class, **defaults)
-        return optimizer_class(self.parameters(), **defaults)
+            return ZeroOptimizer(self, optimizer_class, params, **defaults)
+        if params is None:
+            return optimizer_class(self.parameters(), **defaults)
+        from autoshard.runtime.zero import group_names
+        local = self.local_parameters()
+        return optimizer_class([{"params": [local[n] for n in names], **options}
+                                for names, options in group_names(params, local)], **defaults)

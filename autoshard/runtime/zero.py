@@ -16,6 +16,9 @@ Tied weights need no care here: ``pm.step`` has summed the copies' gradients ove
 """
 from __future__ import annotations
 
+import math
+from collections import OrderedDict
+
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
@@ -35,24 +38,69 @@ def partition(sizes: dict, ranks: int) -> dict:
     return owner
 
 
-class ZeroOptimizer:
-    """``pm.optimizer(torch.optim.AdamW, zero=1, lr=...)``: looks like a torch optimizer (``step``,
-    ``zero_grad``, ``param_groups``, ``state_dict``), holds state for this rank's share only."""
+def group_names(groups, params: dict) -> list:
+    """``[(names, options)]`` of ``pm.optimizer(..., params=[{"params": [...], **options}, ...])``: each
+    group's parameters given by name or as ``pm``'s parameters; a parameter in no group is not stepped."""
+    by_id = {id(p): n for n, p in params.items()}
+    out, seen = [], set()
+    for i, group in enumerate(groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError(f"optimizer param group {i} is {type(group).__name__}: give a dict with 'params' (names "
+                            "or pm's parameters) and its options, as torch.optim takes")
+        names = []
+        for x in ([group["params"]] if isinstance(group["params"], (str, torch.Tensor)) else group["params"]):
+            name = x if isinstance(x, str) else by_id.get(id(x))
+            if name not in params:
+                raise ValueError(f"optimizer param group {i} holds {x if isinstance(x, str) else 'a tensor'} that is "
+                                 f"not one of this pm's parameters (pm.named_parameters() lists them)")
+            if name in seen:
+                raise ValueError(f"parameter {name} is in more than one optimizer param group")
+            seen.add(name)
+            names.append(name)
+        out.append((names, {k: v for k, v in group.items() if k != "params"}))
+    return out
 
-    def __init__(self, pm, optimizer_class, **defaults):
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """``pm.optimizer(torch.optim.AdamW, zero=1, lr=...)``: a ``torch.optim.Optimizer`` (so LR schedulers,
+    hooks and ``param_groups`` work as with any), holding state for this rank's share only. Param groups
+    (``params=[{"params": names, "weight_decay": 0.0}, ...]``) are split by owner; every rank keeps every
+    group, empty ones holding a zero-size placeholder, so group indices and hyper-parameter changes agree.
+    It does not call ``Optimizer.__init__``: the parameters it steps are the inner optimizer's."""
+
+    def __init__(self, pm, optimizer_class, params=None, **defaults):
         self.pm = pm
         self.params = dict(pm.local_parameters())
         dp = pm.comms["dp"]
         self.dp = dp
-        self.owner = partition({n: _local(p).numel() * _local(p).element_size() for n, p in self.params.items()},
-                               dp.size)
-        mine = [p for n, p in self.params.items() if self.owner[n] == dp.rank]
-        # a rank that owns nothing still builds its optimizer (on no parameters, with a dummy group) so
-        # that hyper-parameter changes through param_groups behave the same on every rank
-        self.inner = optimizer_class(mine or [torch.zeros(0, requires_grad=True)], **defaults)
-        self.owns_nothing = not mine
+
+        def nbytes(n, p):  # the same on every tp rank (padded local shape), so all agree on the owners
+            rec = pm.records.get(n)
+            numel = math.prod(rec.local_shape) if rec is not None else _local(p).numel()
+            return numel * _local(p).element_size()
+        self.owner = partition({n: nbytes(n, p) for n, p in self.params.items()}, dp.size)
+        groups = group_names(params, self.params) if params is not None else [(list(self.params), {})]
+        inner_groups, self.owns_nothing = [], True
+        for names, options in groups:
+            mine = [self.params[n] for n in names if self.owner[n] == dp.rank]
+            self.owns_nothing &= not mine
+            # a rank that owns nothing of a group still keeps it (a zero-size placeholder), so that
+            # hyper-parameter changes through param_groups behave the same on every rank
+            inner_groups.append({"params": mine or [torch.zeros(0, requires_grad=True)], **options})
+        self.inner = optimizer_class(inner_groups, **defaults)
+        self.defaults = self.inner.defaults
+        for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
+                      "load_state_dict_post"):
+            setattr(self, f"_optimizer_{hooks}_hooks", OrderedDict())
         ranks = pm.program.mesh.group_ranks(pm.program.rank, "dp")
         self.src = [ranks[r] for r in range(dp.size)]
+
+    def add_param_group(self, param_group):
+        raise NotImplementedError("a ZeRO-1 optimizer's groups are fixed when it is made: pass them all as "
+                                  "pm.optimizer(cls, zero=1, params=[{...}, ...])")
+
+    def __repr__(self):
+        return f"ZeroOptimizer({self.inner!r}, dp={self.dp.size}, owns {sum(o == self.dp.rank for o in self.owner.values())} tensors)"
 
     @property
     def param_groups(self):
@@ -71,7 +119,13 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None if self.owns_nothing else self.inner.step(closure)
+        if closure is not None:   # on every rank (it may run pm.step, whose collectives span dp)
+            with torch.enable_grad():
+                loss = closure()
+        else:
+            loss = None
+        if not self.owns_nothing:
+            self.inner.step()
         if self.dp.size > 1:
             for r in range(self.dp.size):
                 mine = [_local(p) for n, p in self.params.items() if self.owner[n] == r]

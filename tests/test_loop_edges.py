@@ -1,0 +1,24 @@
+"""A user's training loop off the happy path, on 4 gloo ranks (``tests/loop_edge_checks.py``): frozen and
+unfrozen parameters, param groups and an LR scheduler on ZeRO-1, an uneven vocab over tp, a summed
+loss, checkpoints with frozen parameters, real weights into a pipeline, and a clear no_grad error."""
+from tests.distributed import run_distributed
+from tests.loop_edge_checks import suite
+
+
+def test_training_loop_edges_match_single_device(tmp_path):
+    results = run_distributed(suite, 4, str(tmp_path / "ckpt"), timeout=600)
+    for r in results:
+        z = r["zero"]
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(z["losses"], z["want_losses"])), z
+        assert z["worst"] < 1e-4, z                           # parameters after 2 scheduled AdamW steps
+        assert z["lr"] == z["want_lr"] and z["start"] == 2
+        assert z["resumed"] == z["straight"] and z["same"]     # bit-identical after the load
+        assert z["wpe_same"]                                   # frozen: never stepped, never saved state
+        assert abs(z["short_loss"] - z["want_short"]) <= 1e-5 * abs(z["want_short"]) and z["steppers"] == 2, z
+        p = r["pipeline"]
+        assert abs(p["loss"] - p["ref_loss"]) <= 1e-5 * abs(p["ref_loss"]), p
+        assert p["grad_err"] < 1e-5 and not p["frozen_grads"] and not p["frozen_moved"], p
+        assert p["unfrozen_have_grads"] and p["load_ok"], p
+        assert p["no_grad_error"] and "no_grad" in p["no_grad_error"], p
+        s = r["summed"]
+        assert abs(s["loss"] - s["ref_loss"]) <= 1e-5 * abs(s["ref_loss"]) and s["worst"] < 1e-5, s
