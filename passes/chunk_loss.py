@@ -3,7 +3,7 @@ the logits (``loss_only``, and every ``pm.step`` program).
 
 The pattern is the head's matmul (``ColumnParallelMatmul`` at tp > 1; ``linear`` at tp = 1, or at tp > 1
 with ``overlap_grad_allreduce`` disabled; with or without a bias, weight stored ``(out, in)``), read by nothing but views
-and a cast to fp32, then the cross-entropy (``VocabParallelCrossEntropy`` at tp > 1, ``cross_entropy_loss``
+and a cast to fp32, and any scale or tanh soft cap of the logits (applied per chunk), then the cross-entropy (``VocabParallelCrossEntropy`` at tp > 1, ``cross_entropy_loss``
 at tp = 1) with mean or sum reduction, any ``ignore_index`` and label smoothing, no class weights. It
 becomes one ``VocabParallelLinearCrossEntropy`` record (at tp = 1 too, where its collectives are the
 identity): the ``[rows, V/t]`` logits never exist whole. ``reduction='none'`` is left alone (its per-row
@@ -57,6 +57,7 @@ class ChunkedLoss:
     chunk_bytes: int = 0           # one chunk's
     label_smoothing: float = 0.0
     reduces_input_grad: bool = False   # the op all-reduces the head input's gradient (the fused f's job)
+    epilogue: tuple = ()               # pointwise steps between the head and the loss, applied per chunk
 
     @property
     def chunks(self) -> int:
@@ -86,24 +87,44 @@ def _loss_args(gm, n) -> dict | None:
     return None
 
 
+def _epilogue_step(n: fx.Node):
+    """``(kind, constant)`` when ``n`` is a pointwise op on the logits that the chunked loss can apply per
+    chunk: a scale (Cohere's ``logit_scale``, Granite's ``logits_scaling``) or the tanh of a soft cap
+    (Gemma 2's ``final_logit_softcapping``: ``cap * tanh(logits / cap)``); else None."""
+    if n.op != "call_function" or not n.args:
+        return None
+    if n.target is aten.tanh.default:
+        return ("tanh", None)
+    if n.target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar) and len(n.args) == 2 \
+            and not n.kwargs and isinstance(n.args[1], (int, float)) and not isinstance(n.args[1], bool):
+        return ("mul" if n.target in (aten.mul.Tensor, aten.mul.Scalar) else "div", float(n.args[1]))
+    return None
+
+
 def _head(gm, logits: fx.Node) -> tuple:
-    """Walk back from the loss's logits through views and casts read by nothing else:
-    ``(matmul node, chain, why not)``; the matmul is None where the pattern does not hold."""
-    chain, cur = [], logits
-    while cur.op == "call_function" and cur.target in _PASS_THROUGH and len(cur.users) == 1:
+    """Walk back from the loss's logits through views, casts and epilogue ops (``_epilogue_step``) read by
+    nothing else: ``(matmul node, chain, epilogue in program order, why not)``; the matmul is None where
+    the pattern does not hold."""
+    chain, epilogue, cur = [], [], logits
+    while cur.op == "call_function" and len(cur.users) == 1 and \
+            (cur.target in _PASS_THROUGH or _epilogue_step(cur) is not None):
+        step = _epilogue_step(cur)
+        if step is not None:
+            epilogue.insert(0, step)
         chain.append(cur)
         cur = cur.args[0]
     what = f"{cur.op} {getattr(cur.target, '__name__', cur.target)}"
     if len(cur.users) != 1:
-        return None, chain, (f"the logits ({cur.name}) are read by more than the loss (returned, or used twice)")
+        return None, chain, (), (f"the logits ({cur.name}) are read by more than the loss (returned, or used "
+                                 "twice)")
     if cur.op == "call_module" and isinstance(gm.get_submodule(cur.target), ops.ColumnParallelMatmul):
         if gm.get_submodule(cur.target).transposed:
-            return None, chain, "the LM head stores its weight (in, out) (HF Conv1D): not chunked"
-        return cur, chain, ""
+            return None, chain, (), "the LM head stores its weight (in, out) (HF Conv1D): not chunked"
+        return cur, chain, tuple(epilogue), ""
     if cur.op == "call_function" and cur.target is aten.linear.default:
-        return cur, chain, ""
-    return None, chain, (f"the loss's logits come from {what}, not from a linear LM head through views and "
-                         "casts alone")
+        return cur, chain, tuple(epilogue), ""
+    return None, chain, (), (f"the loss's logits come from {what}, not from a linear LM head through views, "
+                             "casts, scales and a tanh soft cap alone")
 
 
 def _rewrite(gm, n, a, chunk_rows) -> ChunkedLoss:
@@ -111,7 +132,7 @@ def _rewrite(gm, n, a, chunk_rows) -> ChunkedLoss:
         return ChunkedLoss(n.name, False, "class weights: the unchunked loss handles them")
     if a["reduction"] not in (1, 2):
         return ChunkedLoss(n.name, False, "reduction='none': per-row losses are returned whole")
-    head, chain, why = _head(gm, a["logits"])
+    head, chain, epilogue, why = _head(gm, a["logits"])
     if head is None:
         return ChunkedLoss(n.name, False, why)
     h, weight = head.args[0], head.args[1]
@@ -139,7 +160,7 @@ def _rewrite(gm, n, a, chunk_rows) -> ChunkedLoss:
         valid = a["valid"] if a["valid"] is not None else local_vocab
         op = ops.VocabParallelLinearCrossEntropy(
             "tp", a["size"], rows, hidden, a["start"], valid, a["ignore_index"], a["reduction"], chunk,
-            label_smoothing=a["smoothing"], vocab=vocab, reduce_input_grad=fused_f,
+            label_smoothing=a["smoothing"], vocab=vocab, reduce_input_grad=fused_f, epilogue=epilogue,
             out_dtype=val.dtype if isinstance(val, torch.Tensor) else None)
         name = f"chunked_cross_entropy_{sum(1 for _ in gm.named_children())}"
         gm.add_submodule(name, op)
@@ -159,6 +180,7 @@ def _rewrite(gm, n, a, chunk_rows) -> ChunkedLoss:
     record.rewritten = True
     record.label_smoothing = float(a["smoothing"] or 0.0)
     record.reduces_input_grad = fused_f
+    record.epilogue = epilogue
     return record
 
 

@@ -177,3 +177,39 @@ def test_tp2_over_gloo_equals_the_unchunked_program():
         for name in cgrads:
             torch.testing.assert_close(torch.from_numpy(cgrads[name]), torch.from_numpy(pgrads[name]),
                                        atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("name,epilogue", [("gemma2", (("div", 3.0), ("tanh", None), ("mul", 3.0))),
+                                           ("cohere", (("mul", 0.0625),))])
+def test_scaled_and_soft_capped_logits_are_chunked(name, epilogue):
+    """Gemma 2's soft cap (``cap * tanh(logits / cap)``) and Cohere's logit scale between the head and the
+    loss run per chunk, their derivatives in backward: loss and gradients as the single-device model's."""
+    import copy
+
+    import transformers as T
+
+    from tests.parity_checks import rel
+    from tests.simulate import simulate
+    from tests.test_more_families import CASES
+    config, attn = CASES[name]
+    cfg = config()
+    if name == "gemma2":
+        cfg.final_logit_softcapping = 3.0         # small enough that the tanh bends the tiny model's logits
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 128, (2, 8), generator=g), torch.randint(0, 128, (2, 8), generator=g)
+    labels[0, :3] = -100
+    kwargs = dict(input_ids=ids, labels=labels, attention_mask=torch.ones_like(ids), use_cache=False)
+    ref = copy.deepcopy(model)
+    want = ref(**kwargs).loss
+    want.backward()
+    grads = dict(ref.named_parameters(remove_duplicate=False))
+    options = dict(loss_only=True, loss_chunk_rows=5)
+    prog = autoshard.compile_rank(model, MeshSpec(tp=2), 0, (), kwargs, options=autoshard.CompileOptions(**options))
+    (op,) = _chunked_nodes(prog)
+    assert op.epilogue == epilogue and op.chunks == 4
+    for out, got, _ in simulate(model, 2, (), kwargs, loss_fn=lambda o: o.loss, **options):
+        assert rel(out.loss.detach(), want.detach()) <= 1e-5
+        for n, p in grads.items():
+            assert rel(got[n], p.grad, 1e-3 * float(p.grad.abs().max())) <= 1e-5, n

@@ -161,7 +161,7 @@ class VocabParallelLinearCrossEntropy(ParallelOp):
 
     def __init__(self, axis, size, rows: int, hidden: int, start: int, valid: int, ignore_index: int,
                  reduction: int, chunk: int, label_smoothing: float = 0.0, vocab: int | None = None,
-                 reduce_input_grad: bool = True, out_dtype: torch.dtype | None = None):
+                 reduce_input_grad: bool = True, out_dtype: torch.dtype | None = None, epilogue: tuple = ()):
         super().__init__(axis, size)
         if chunk < 1:
             raise ValueError(f"a chunked cross-entropy needs at least one row per chunk, got {chunk}")
@@ -171,6 +171,7 @@ class VocabParallelLinearCrossEntropy(ParallelOp):
         self.ignore_index, self.reduction, self.chunk = ignore_index, reduction, chunk
         self.label_smoothing, self.vocab = float(label_smoothing), vocab
         self.reduce_input_grad, self.out_dtype = reduce_input_grad, out_dtype
+        self.epilogue = tuple(epilogue)   # (("div", 30.0), ("tanh", None), ("mul", 30.0)): Gemma 2's soft cap
 
     @property
     def chunks(self) -> int:
@@ -199,7 +200,9 @@ class VocabParallelLinearCrossEntropy(ParallelOp):
         return (f"vocab [{self.start}, {self.start + self.valid}) on {self.axis}, {self.rows} rows in {self.chunks} "
                 f"chunks of {self.chunk}, reduction={self.reduction}, ignore_index={self.ignore_index}"
                 + (f", label_smoothing={self.label_smoothing} over {self.vocab} classes" if self.label_smoothing else "")
-                + ("" if self.reduce_input_grad else ", input gradient reduced by the f before it"))
+                + ("" if self.reduce_input_grad else ", input gradient reduced by the f before it")
+                + (f", logits through {' -> '.join(k if c is None else f'{k} {c:g}' for k, c in self.epilogue)}"
+                   if self.epilogue else ""))
 
 
 class VocabParallelLogsumexp(ParallelOp):

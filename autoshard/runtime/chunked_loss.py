@@ -21,17 +21,48 @@ import torch
 import torch.distributed as dist
 
 
+def _epilogue_forward(x: torch.Tensor, epilogue: tuple, tanhs: list) -> None:
+    """Apply the epilogue to a chunk's logits in place, keeping each tanh's output in ``tanhs`` (if any)."""
+    keep = iter(tanhs)
+    for kind, c in epilogue:
+        if kind == "mul":
+            x.mul_(c)
+        elif kind == "div":
+            x.div_(c)
+        else:
+            x.tanh_()
+            t = next(keep, None)
+            if t is not None:
+                t.copy_(x)
+
+
+def _epilogue_backward(grad: torch.Tensor, epilogue: tuple, tanhs: list) -> None:
+    """The gradient at the epilogue's output to the gradient at its input, in place (last step first)."""
+    keep = list(tanhs)
+    for kind, c in reversed(epilogue):
+        if kind == "mul":
+            grad.mul_(c)
+        elif kind == "div":
+            grad.div_(c)
+        else:
+            t = keep.pop()
+            grad.mul_(1.0 - t * t)
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """``apply(h [rows, H], weight [V/t, H], target [rows], comm, start, valid, ignore_index, reduction,
-    chunk, grad_enabled, out_dtype, label_smoothing, vocab, reduce_input_grad, bias [V/t] or None)``: the
-    arguments of ``ir.ops.VocabParallelLinearCrossEntropy``. ``grad_enabled`` is the caller's grad mode:
+    chunk, grad_enabled, out_dtype, label_smoothing, vocab, reduce_input_grad, bias [V/t] or None,
+    epilogue)``: the arguments of ``ir.ops.VocabParallelLinearCrossEntropy``. ``epilogue`` is the pointwise
+    steps from the head's output to the loss's logits (``("mul", c)``, ``("div", c)``, ``("tanh", None)``),
+    applied to each chunk in fp32; backward multiplies by their derivatives, the tanh's from its output
+    kept for the chunk. ``grad_enabled`` is the caller's grad mode:
     ``needs_input_grad`` is still true inside ``forward`` under ``no_grad``, and the gradients are
     computed only where autograd will ask for them. ``comm`` is None at tp = 1."""
 
     @staticmethod
     def forward(ctx, h, weight, target, comm, start: int, valid: int, ignore_index: int, reduction: int,
                 chunk: int, grad_enabled: bool = True, out_dtype=None, label_smoothing: float = 0.0,
-                vocab: int | None = None, reduce_input_grad: bool = True, bias=None):
+                vocab: int | None = None, reduce_input_grad: bool = True, bias=None, epilogue: tuple = ()):
         out_dtype = out_dtype or h.dtype    # fp32 when the model cast its logits (HF's logits.float())
         if h.is_meta:
             return h.new_empty((), dtype=out_dtype)
@@ -40,7 +71,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             raise ValueError("a label-smoothed chunked cross-entropy needs the global vocab size")
         rows, local_vocab = h.shape[0], weight.shape[0]
         want_h, want_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
-        want_b = bias is not None and grad_enabled and ctx.needs_input_grad[-1]
+        want_b = bias is not None and grad_enabled and ctx.needs_input_grad[14]     # bias: the 15th input
         keep = target != ignore_index
         count = keep.sum()
         in_shard = (target >= start) & (target < start + valid)
@@ -56,6 +87,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         # allocation per chunk is a fresh mapping of pages on CPU, which cost ~20% of the matmul it fed
         buf = torch.empty((min(chunk, rows), local_vocab), dtype=torch.float32, device=h.device)
         low = None if h.dtype == torch.float32 else torch.empty(buf.shape, dtype=h.dtype, device=h.device)
+        tanhs = [torch.empty_like(buf) for kind, _ in epilogue if kind == "tanh"] if (want_h or want_w or want_b) \
+            else []
         for s in range(0, rows, chunk):
             e = min(s + chunk, rows)
             hc, x = h[s:e], buf[: e - s]
@@ -67,6 +100,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 mm = torch.mm(hc, weight.t(), out=low[: e - s]) if bias is None else \
                     torch.addmm(bias, hc, weight.t(), out=low[: e - s])
                 x.copy_(mm)
+            _epilogue_forward(x, epilogue, [t[: e - s] for t in tanhs])
             real = x
             if valid < local_vocab:
                 x[:, valid:] = float("-inf")
@@ -97,6 +131,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad.scatter_add_(1, lt, -((1.0 - eps) * hit[s:e] * row_scale).unsqueeze(1))
             if eps:  # the uniform target: real columns only
                 grad[:, :valid].sub_((eps / vocab * row_scale).unsqueeze(1))
+            _epilogue_backward(grad, epilogue, [t[: e - s] for t in tanhs])   # to the head's output
             if want_h:  # in h's dtype, as the head's matmul backward computes it
                 g = grad if low is None else low[: e - s].copy_(grad)
                 torch.mm(g, weight, out=dh[s:e])
@@ -104,7 +139,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 dw.addmm_(grad.t(), hc if hc.dtype == torch.float32 else hc.float())
             if want_b:
                 db += grad.sum(dim=0)
-        del buf, low
+        del buf, low, tanhs
         total = losses.sum()
         loss = total / count if reduction == 1 else total
         ctx.save_for_backward(*(t for t in (dh, dw, db) if t is not None))
@@ -135,4 +170,4 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         if ctx.has[2]:
             db = saved.pop(0)
             db = (db if one else db * g.float()).to(ctx.b_dtype)
-        return (dh, dw) + (None,) * 12 + (db,)
+        return (dh, dw) + (None,) * 12 + (db, None)
