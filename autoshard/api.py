@@ -128,7 +128,7 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
 
 
 def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example_kwargs=None,
-                     options: CompileOptions | None = None) -> PipelineProgram:
+                     options: CompileOptions | None = None, training: bool = True) -> PipelineProgram:
     """Compile ``model``'s training step for global ``rank`` of ``mesh`` as a pipeline of ``pp x v`` stages
     over ``options.pipeline.microbatches`` microbatches. The example inputs are the whole batch.
 
@@ -148,7 +148,7 @@ def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example
     validate(schedule)
     leaves, in_spec = torch.utils._pytree.tree_flatten((tuple(example_args), dict(example_kwargs or {})))
     args, kwargs = torch.utils._pytree.tree_unflatten(split_batch(leaves, popts.microbatches)[0], in_spec)
-    captured = _capture(model, args, kwargs, options, True)
+    captured = _capture(model, args, kwargs, options, training)
     out = _rank_dump_dir(options, rank)
     local, timings = run_passes(captured.gm, PassContext(spec, rank, options, out))
     plan = local.meta[STAGE_PLAN]
@@ -224,7 +224,16 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
         comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
         peers = spec.group_ranks(rank, "pp")
         ties = _tie_groups(spec, rank, program.ties()) if spec.pp > 1 else {}
-        return PipelineModule(program, model, comms, mesh["tp"] if real_mesh else None, peers, ties)
+        pm = PipelineModule(program, model, comms, mesh["tp"] if real_mesh else None, peers, ties)
+
+        def eval_compiler(train):
+            """The eval-mode program (no dropout) on the training program's cuts and placements."""
+            pins = {r.name: r.spec.tp for r in train.params}
+            popts = dataclasses.replace(options.pipeline, stretches=tuple(train.plan.stretches))
+            later = dataclasses.replace(options, pins={**pins, **options.pins}, dump=None, pipeline=popts)
+            return compile_pipeline(model, spec, rank, example_args, example_kwargs, later, training=False)
+        pm._eval_compiler = eval_compiler
+        return pm
     step_options = options
     options = dataclasses.replace(options, pipeline=None)
     prog = compile_rank(model, spec, rank, example_args, example_kwargs, options)
@@ -233,11 +242,14 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
         later = dataclasses.replace(options, pins={**pinned, **options.pins}, dump=None)
         return compile_rank(model, spec, rank, args, kwargs, later, training=training)
 
-    def step_compiler(args, kwargs, pinned):
+    def step_compiler(args, kwargs, pinned, training=True):
         out = dump_dir(options.dump)   # the step program's dumps go beside the forward's, in step/
-        later = dataclasses.replace(step_options, pins={**pinned, **options.pins}, dump=out and f"{out}/step",
-                                    pipeline=step_options.pipeline or PipelineOptions())
-        return compile_pipeline(model, spec, rank, args, kwargs, later)
+        popts = step_options.pipeline or PipelineOptions()
+        if not training:               # pm.eval_batch: one stage, as the training step's
+            popts = dataclasses.replace(popts, stretches=())
+        later = dataclasses.replace(step_options, pins={**pinned, **options.pins},
+                                    dump=out and training and f"{out}/step" or None, pipeline=popts)
+        return compile_pipeline(model, spec, rank, args, kwargs, later, training=training)
 
     comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
     tp_mesh = mesh["tp"] if real_mesh else None

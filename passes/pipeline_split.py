@@ -304,7 +304,12 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     prefix = layer_prefix(gm)
     count = len({layer_of(n, prefix) for n in gm.graph.nodes} - {None})
     seg = price(gm, act, cands, cm, prefix)
-    if opts.cuts is not None:
+    if opts.stretches is not None:       # another program's cuts (the eval program takes its training one's)
+        if len(opts.stretches) != stages - 1 or not all(0 < c < len(seg.seconds) for c in opts.stretches):
+            raise PipelineSplitError(f"this program offers {len(cands)} cut points, and cannot be cut where its "
+                                     f"training program was ({list(opts.stretches)})")
+        cuts, how = list(opts.stretches), "as the training program"
+    elif opts.cuts is not None:
         if len(opts.cuts) != stages - 1:
             raise PipelineSplitError(f"pipeline_cuts has {len(opts.cuts)} entries; pp x v = {stages} stages need "
                                      f"{stages - 1} (the layer index where each stage after the first starts)")
@@ -316,7 +321,8 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         cuts = balance(seg, stages, pp, validate(schedule), v, tp, opts.memory_limit, send)
         how = "balanced"
     costs, step, peak = predict(seg, cuts, schedule, tp, cm, cands)
-    plan = StagePlan(stages, [cands[c - 1].boundary.name for c in cuts], costs, how, len(cands), count, step, peak)
+    plan = StagePlan(stages, [cands[c - 1].boundary.name for c in cuts], costs, how, len(cands), count, step, peak,
+                     stretches=list(cuts))
     if stages > 1 and count >= stages:
         ucuts = uniform_cuts(count, stages)
         try:

@@ -88,7 +88,9 @@ def zero_groups_scheduler_frozen_and_checkpoint(rank, world, path):
     ref = copy.deepcopy(model)
     ref.load_state_dict(after2)
     _, want_short = ref(*short)
+    short_eval = float(pm2.eval_batch(*autoshard.local_batch((short, {}), mesh)[0]))   # pp = 1: a validation loss
     return dict(short_loss=short_loss, want_short=float(want_short), steppers=len(pm2._steppers),
+                short_eval=short_eval,
                 losses=losses, want_losses=want_losses, worst=worst, start=start, straight=straight,
                 resumed=resumed, same=all(torch.equal(after[k], after2[k]) for k in after),
                 lr=[g["lr"] for g in opt.param_groups], want_lr=[1e-2 * lam(2)] * 2,
@@ -183,7 +185,26 @@ def summed_loss_over_microbatches_and_dp(rank, world):
     return dict(loss=loss, ref_loss=float(ref_loss), worst=worst)
 
 
+def eval_batch_is_the_eval_mode_loss(rank, world):
+    """pm.eval_batch on dp=2 x pp=2 with dropout 0.2: the single-device model's eval-mode loss on the global
+    batch (no dropout), twice the same, leaving the gradients of a step before it untouched."""
+    mesh = autoshard.init_mesh(dp=2, pp=2)
+    model = build("gpt", vocab_size=VOCAB, n_layer=2, dropout=0.2)
+    pm = autoshard.parallelize(copy.deepcopy(model), mesh, *autoshard.local_batch((_global(0), {}), mesh),
+                               microbatches=2)
+    pm.step(*autoshard.local_batch((_global(0), {}), mesh)[0])
+    local = (lambda t: t.to_local() if hasattr(t, "to_local") else t)      # no collective per comparison
+    grads = {n: local(p.grad).clone() for n, p in pm.named_parameters() if p.grad is not None}
+    got = [float(pm.eval_batch(*autoshard.local_batch((_global(1), {}), mesh)[0])) for _ in range(2)]
+    ref = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        _, want = ref(*_global(1))
+    untouched = all(torch.equal(local(p.grad), grads[n]) for n, p in pm.named_parameters() if n in grads)
+    return dict(got=got, want=float(want), untouched=untouched, held=bool(grads))
+
+
 def suite(rank, world, path):
     return dict(zero=zero_groups_scheduler_frozen_and_checkpoint(rank, world, path),
                 pipeline=pipeline_frozen_tied_and_real_weights(rank, world),
-                summed=summed_loss_over_microbatches_and_dp(rank, world))
+                summed=summed_loss_over_microbatches_and_dp(rank, world),
+                eval=eval_batch_is_the_eval_mode_loss(rank, world))

@@ -15,6 +15,7 @@ def test_training_loop_edges_match_single_device(tmp_path):
         assert z["resumed"] == z["straight"] and z["same"]     # bit-identical after the load
         assert z["wpe_same"]                                   # frozen: never stepped, never saved state
         assert abs(z["short_loss"] - z["want_short"]) <= 1e-5 * abs(z["want_short"]) and z["steppers"] == 2, z
+        assert abs(z["short_eval"] - z["want_short"]) <= 1e-5 * abs(z["want_short"]), z    # dropout 0 here
         p = r["pipeline"]
         assert abs(p["loss"] - p["ref_loss"]) <= 1e-5 * abs(p["ref_loss"]), p
         assert p["grad_err"] < 1e-5 and not p["frozen_grads"] and not p["frozen_moved"], p
@@ -22,3 +23,6 @@ def test_training_loop_edges_match_single_device(tmp_path):
         assert p["no_grad_error"] and "no_grad" in p["no_grad_error"], p
         s = r["summed"]
         assert abs(s["loss"] - s["ref_loss"]) <= 1e-5 * abs(s["ref_loss"]) and s["worst"] < 1e-5, s
+        e = r["eval"]
+        assert all(abs(g - e["want"]) <= 1e-5 * abs(e["want"]) for g in e["got"]), e     # no dropout in eval
+        assert e["untouched"] and e["held"], e

@@ -78,6 +78,9 @@ class PipelineOptions:
     cuts: tuple | None = None
     memory_limit: float | None = None
     zero: int = 0                      # 1: pm.optimizer shards the optimizer state over dp (ZeRO-1)
+    # internal: the cut stretches of another program of this model (an eval program takes its training
+    # program's, so both hold the same parameters on the same ranks); see StagePlan.stretches
+    stretches: tuple | None = None
 
     def __post_init__(self):
         if self.zero not in (0, 1):

@@ -43,6 +43,7 @@ class StagePlan:
     predicted_peak_bytes: dict = field(default_factory=dict)   # pp rank -> params + activations
     uniform: dict | None = None                  # uniform layer cuts for comparison: cuts, step, peak
     recomputed: dict = field(default_factory=dict)   # chunk -> input-only nodes it recomputes (not sent)
+    stretches: list = field(default_factory=list)    # candidate-stretch index where each chunk after the first starts
 
 
 @dataclass

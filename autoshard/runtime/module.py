@@ -200,6 +200,14 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         of non-ignored targets (``passes/microbatch_loss.py``), so uneven ``ignore_index`` counts are exact.
         Another batch shape (an epoch's short last batch) compiles its own step program on first use, as
         ``forward`` does; the executors share the parameters (at most ``max_programs`` are kept)."""
+        return self._stepper_for(args, kwargs).step(*args, **kwargs)
+
+    def eval_batch(self, *args, **kwargs):
+        """The loss of a batch in eval mode (no dropout, no gradients), as ``step`` takes it and returns it
+        (with dp, the global batch's loss on every rank): a validation loss."""
+        return self._stepper_for(args, kwargs).eval_batch(*args, **kwargs)
+
+    def _stepper_for(self, args, kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         key = program_key(True, leaves, spec)
         stepper = self._steppers.get(key)
@@ -212,6 +220,8 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             program = self._step_compiler(args, kwargs, pins)
             stepper = PipelineModule(program, None, self.comms, params=self.params, buffer_source=self._step_buffer)
             stepper.bucket_bytes = self.bucket_bytes
+            stepper._eval_compiler = (lambda train, a=args, kw=kwargs, p=pins:
+                                      self._step_compiler(a, kw, p, training=False))
             self._steppers[key] = stepper
             if len(self._steppers) > 1:
                 log.info("autoshard: compiled a pm.step program for new inputs %s in %.2f s", key.inputs,
@@ -221,7 +231,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
                 old.close()
         self._steppers.move_to_end(key)
         self.__dict__["_stepper"] = stepper
-        return self._stepper.step(*args, **kwargs)
+        return stepper
 
     # --- checks ----------------------------------------------------------------------------------------------
     def _check_ranks_agree(self, program, model):

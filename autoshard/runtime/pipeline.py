@@ -156,8 +156,9 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         self._register_load_state_dict_pre_hook(_load_state_dict_names, with_module=True)
 
     def forward(self, *args, **kwargs):
-        raise TypeError("a pipelined model runs whole training steps: call pm.step(*batch) (forward and backward "
-                        "over the microbatches, returning the loss); pm(...) runs a forward only for pp=1")
+        raise TypeError("a pipelined model runs whole batches: call pm.step(*batch) (forward and backward over the "
+                        "microbatches, returning the loss) or pm.eval_batch(*batch) (the eval-mode loss, no "
+                        "gradients); pm(...) runs a forward only for pp=1")
 
     # --- the step -----------------------------------------------------------------------------------------
     @property
@@ -220,40 +221,80 @@ class PipelineModule(training.TrainingMethods, nn.Module):
                                 dtype=torch.float32, device=device).reshape(1).clone()
         return _Denominator(total, dp.all_reduce_async(total, "count") if dp.size > 1 else None)
 
+    def _microbatches(self, args, kwargs, what: str) -> list:
+        """The user inputs of each microbatch (name -> value), checked against the compiled shapes."""
+        captured = self.program.captured
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != captured.in_spec:
+            raise TypeError(f"{what} got inputs of structure {spec}, but the pipeline was compiled for "
+                            f"{captured.in_spec}: pass the same arguments (by the same keywords) as the example")
+        micro = split_batch(leaves, self.schedule.microbatches, captured.example_leaves)
+        return [dict(zip(captured.user_input_names, (mb[i] for i in captured.input_leaves))) for mb in micro]
+
+    def _global_loss(self, run) -> torch.Tensor:
+        loss = run.loss.reshape(1).clone()
+        for axis in ("pp", "dp"):              # the last stage's share, summed over stages and replicas
+            if self.comms[axis].size > 1:
+                loss = self.comms[axis].all_reduce(loss, "loss")
+        return loss[0]
+
     def step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of the whole batch over the pipeline: returns the loss (on every rank)
         and leaves each local shard's gradient in ``.grad`` (accumulated, as ``backward`` does)."""
         if not torch.is_grad_enabled():
             raise RuntimeError("pm.step runs forward and backward over the pipeline and cannot run under "
-                               "torch.no_grad(); to evaluate, call it with grad enabled and discard the gradients "
-                               "(zero_grad), or load pm.full_state_dict() into the single-device model")
-        captured, sched = self.program.captured, self.schedule
-        m = sched.microbatches
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        if spec != captured.in_spec:
-            raise TypeError(f"pm.step got inputs of structure {spec}, but the pipeline was compiled for "
-                            f"{captured.in_spec}: pass the same arguments (by the same keywords) as the example")
-        micro = split_batch(leaves, m, captured.example_leaves)
-        users = [dict(zip(captured.user_input_names, (mb[i] for i in captured.input_leaves))) for mb in micro]
+                               "torch.no_grad(); for a validation loss call pm.eval_batch(*batch) (eval mode, "
+                               "no gradients)")
+        users = self._microbatches(args, kwargs, "pm.step")
         grads_held = any(p.grad is not None for p in self.params.parameters())   # before the tied stash
         saved_tied = self._stash_tied_grads()
         run = _Run(self, users, grads_held)
-        run.execute(sched.actions.get(self.program.pp_rank, []))
+        run.execute(self.schedule.actions.get(self.program.pp_rank, []))
         if run.reducer is not None:
             run.reducer.finish()                 # the dp sums, overlapped with the last backward
             self.last_dp_wait = run.reducer.comm_seconds
         self.params.accumulate_step_grads(run.leaves)
         self._sum_tied_grads(saved_tied)       # after the dp sum: both are complete sums, in either order
-        loss = run.loss.reshape(1).clone()
-        for axis in ("pp", "dp"):              # the last stage's share, summed over stages and replicas
-            if self.comms[axis].size > 1:
-                loss = self.comms[axis].all_reduce(loss, "loss")
-        loss = loss[0]
+        loss = self._global_loss(run)
         self.last_timeline = run.timeline()
         self._steps += 1
         if self._dump and self._steps <= 2:   # the first step warms up; the second is drawn over it
             self._dump_measured()
         return loss
+
+    def eval_batch(self, *args, **kwargs) -> torch.Tensor:
+        """The loss of a batch in eval mode (no dropout), forward only, on every rank: the same inputs and
+        loss as ``step`` (the global batch's, over microbatches and dp), no gradients and no activations
+        kept. The eval program is compiled on first use, on the training program's stage cuts and
+        placements, so it runs on the same parameter shards."""
+        twin = self.__dict__.get("_eval_twin")
+        if twin is None:
+            compiler = getattr(self, "_eval_compiler", None)
+            if compiler is None:
+                raise RuntimeError("pm.eval_batch needs the compiler: build the module with autoshard.parallelize")
+            program = compiler(self.program)
+            mine = {c.index: c.param_names for c in self.program.own}
+            if {c.index: c.param_names for c in program.own} != mine:
+                raise RuntimeError("the eval-mode program puts other parameters on this rank's stages than the "
+                                   "training program: evaluate the single-device model on pm.full_state_dict()")
+            twin = PipelineModule(program, None, self.comms, peers=self.peers, params=self.params,
+                                  buffer_source=self._train_buffer)
+            twin.train(False)
+            self.__dict__["_eval_twin"] = twin
+        users = twin._microbatches(args, kwargs, "pm.eval_batch")
+        with torch.no_grad():
+            run = _Run(twin, users, grads_held=False, forward_only=True)
+            run.execute([a for a in twin.schedule.actions.get(twin.program.pp_rank, [])
+                         if a.kind in (Kind.F, Kind.SEND_F, Kind.RECV_F)])
+            return twin._global_loss(run)
+
+    def _train_buffer(self, name):
+        if name in self._buffers_by_name:
+            return getattr(self, self._buffers_by_name[name])
+        if self._buffer_source is not None:
+            return self._buffer_source(name)
+        raise RuntimeError(f"the eval-mode program reads buffer '{name}', which this rank's training stages do not "
+                           "hold: evaluate the single-device model on pm.full_state_dict()")
 
     def _dump_measured(self) -> None:
         """The measured timeline (``measured.svg``, ``measured.md``) beside the simulated one in
@@ -345,15 +386,19 @@ class PipelineModule(training.TrainingMethods, nn.Module):
 class _Run:
     """One step on one rank: the inbox of received values, the saved activations, the pending transfers."""
 
-    def __init__(self, pm: PipelineModule, users: list, grads_held: bool):
+    def __init__(self, pm: PipelineModule, users: list, grads_held: bool, forward_only: bool = False):
         self.pm, self.users, self.denominator = pm, users, None
+        self.forward_only = forward_only       # eval_batch: forwards alone, nothing kept for a backward
         prog = pm.program
         self.sched, self.m, self.me = prog.schedule, prog.schedule.microbatches, prog.pp_rank
         self.chunks = {c.index: c for c in prog.own}
         self.inbox, self.outbox, self.saved = {}, {}, {}
         self.pending, self.sends = [], []
         self.param_inputs = {}       # stage -> the graph's parameter inputs (local, padded, cast), per step
-        self.leaves, self.reducer = pm._step_state(grads_held)
+        if forward_only:
+            self.leaves, self.reducer = pm.params.step_leaves(list(pm.params.records)), None
+        else:
+            self.leaves, self.reducer = pm._step_state(grads_held)
         # receive buffers, the loss and its divisor live where the step computes (NCCL takes no CPU tensors)
         self.device = _step_device(self.leaves, users)
         self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -428,7 +473,7 @@ class _Run:
         chunk = self.chunks[a.stage]
         x = None
         if a.stage > 0:
-            x = self._take(("F", a.stage, a.microbatch)).detach().requires_grad_(True)
+            x = self._take(("F", a.stage, a.microbatch)).detach().requires_grad_(not self.forward_only)
         t0 = time.perf_counter() - self.start
         graph = self.pm.graphs[str(a.stage)]
         if a.stage not in self.param_inputs:   # once per step: the same local leaves feed every microbatch
@@ -447,7 +492,8 @@ class _Run:
         else:
             self.outbox[("F", a.stage, a.microbatch)] = out.detach()
         nbytes = saved.bytes if saved is not None else 0
-        self.saved[a.stage, a.microbatch] = (x, out, nbytes)
+        if not self.forward_only:
+            self.saved[a.stage, a.microbatch] = (x, out, nbytes)
         self._done(a, t0)
         self.held += nbytes
         self.peak = max(self.peak, self.held)
