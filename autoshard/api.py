@@ -226,13 +226,14 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
         ties = _tie_groups(spec, rank, program.ties()) if spec.pp > 1 else {}
         pm = PipelineModule(program, model, comms, mesh["tp"] if real_mesh else None, peers, ties)
 
-        def eval_compiler(train):
-            """The eval-mode program (no dropout) on the training program's cuts and placements."""
+        def twin_compiler(train, args, kwargs, training):
+            """Another program of this pipeline (eval mode, or another batch shape) on the training
+            program's cuts and placements, so it runs on the same parameter shards."""
             pins = {r.name: r.spec.tp for r in train.params}
             popts = dataclasses.replace(options.pipeline, stretches=tuple(train.plan.stretches))
             later = dataclasses.replace(options, pins={**pins, **options.pins}, dump=None, pipeline=popts)
-            return compile_pipeline(model, spec, rank, example_args, example_kwargs, later, training=False)
-        pm._eval_compiler = eval_compiler
+            return compile_pipeline(model, spec, rank, args, kwargs, later, training=training)
+        pm._twin_compiler = twin_compiler
         return pm
     step_options = options
     options = dataclasses.replace(options, pipeline=None)

@@ -182,7 +182,14 @@ def summed_loss_over_microbatches_and_dp(rank, world):
             g = pm.gather(name, p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
             want = ref_grads[name].grad
             worst = max(worst, float((g - want).abs().max() / want.abs().max()))
-    return dict(loss=loss, ref_loss=float(ref_loss), worst=worst)
+    # an epoch's short last batch (4 rows, not 8) under pp: a twin program on the same cuts and shards
+    short, _ = batch("gpt", VOCAB, B=4, seed=98)
+    short_loss = float(pm.step(*autoshard.local_batch((short, {}), mesh)[0]))
+    short_eval = float(pm.eval_batch(*autoshard.local_batch((short, {}), mesh)[0]))
+    with torch.no_grad():
+        want_short = float(ref(*short))
+    return dict(loss=loss, ref_loss=float(ref_loss), worst=worst, short_loss=short_loss, short_eval=short_eval,
+                want_short=want_short)
 
 
 def eval_batch_is_the_eval_mode_loss(rank, world):

@@ -23,6 +23,7 @@ def test_training_loop_edges_match_single_device(tmp_path):
         assert p["no_grad_error"] and "no_grad" in p["no_grad_error"], p
         s = r["summed"]
         assert abs(s["loss"] - s["ref_loss"]) <= 1e-5 * abs(s["ref_loss"]) and s["worst"] < 1e-5, s
+        assert all(abs(s[k] - s["want_short"]) <= 1e-5 * abs(s["want_short"]) for k in ("short_loss", "short_eval")), s
         e = r["eval"]
         assert all(abs(g - e["want"]) <= 1e-5 * abs(e["want"]) for g in e["got"]), e     # no dropout in eval
         assert e["untouched"] and e["held"], e

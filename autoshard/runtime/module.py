@@ -220,8 +220,8 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             program = self._step_compiler(args, kwargs, pins)
             stepper = PipelineModule(program, None, self.comms, params=self.params, buffer_source=self._step_buffer)
             stepper.bucket_bytes = self.bucket_bytes
-            stepper._eval_compiler = (lambda train, a=args, kw=kwargs, p=pins:
-                                      self._step_compiler(a, kw, p, training=False))
+            stepper._twin_compiler = (lambda train, a, kw, training, p=pins:
+                                      self._step_compiler(a, kw, p, training=training))
             self._steppers[key] = stepper
             if len(self._steppers) > 1:
                 log.info("autoshard: compiled a pm.step program for new inputs %s in %.2f s", key.inputs,

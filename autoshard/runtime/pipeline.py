@@ -245,6 +245,9 @@ class PipelineModule(training.TrainingMethods, nn.Module):
             raise RuntimeError("pm.step runs forward and backward over the pipeline and cannot run under "
                                "torch.no_grad(); for a validation loss call pm.eval_batch(*batch) (eval mode, "
                                "no gradients)")
+        twin = self._twin(args, kwargs, training=True)
+        if twin is not self:        # another batch shape (an epoch's short last batch): its own program
+            return twin.step(*args, **kwargs)
         users = self._microbatches(args, kwargs, "pm.step")
         grads_held = any(p.grad is not None for p in self.params.parameters())   # before the tied stash
         saved_tied = self._stash_tied_grads()
@@ -265,28 +268,58 @@ class PipelineModule(training.TrainingMethods, nn.Module):
     def eval_batch(self, *args, **kwargs) -> torch.Tensor:
         """The loss of a batch in eval mode (no dropout), forward only, on every rank: the same inputs and
         loss as ``step`` (the global batch's, over microbatches and dp), no gradients and no activations
-        kept. The eval program is compiled on first use, on the training program's stage cuts and
-        placements, so it runs on the same parameter shards."""
-        twin = self.__dict__.get("_eval_twin")
-        if twin is None:
-            compiler = getattr(self, "_eval_compiler", None)
-            if compiler is None:
-                raise RuntimeError("pm.eval_batch needs the compiler: build the module with autoshard.parallelize")
-            program = compiler(self.program)
-            mine = {c.index: c.param_names for c in self.program.own}
-            if {c.index: c.param_names for c in program.own} != mine:
-                raise RuntimeError("the eval-mode program puts other parameters on this rank's stages than the "
-                                   "training program: evaluate the single-device model on pm.full_state_dict()")
-            twin = PipelineModule(program, None, self.comms, peers=self.peers, params=self.params,
-                                  buffer_source=self._train_buffer)
-            twin.train(False)
-            self.__dict__["_eval_twin"] = twin
+        kept. The eval program is compiled on first use (per batch shape), on the training program's
+        stage cuts and placements, so it runs on the same parameter shards."""
+        twin = self._twin(args, kwargs, training=False)
         users = twin._microbatches(args, kwargs, "pm.eval_batch")
         with torch.no_grad():
             run = _Run(twin, users, grads_held=False, forward_only=True)
             run.execute([a for a in twin.schedule.actions.get(twin.program.pp_rank, [])
                          if a.kind in (Kind.F, Kind.SEND_F, Kind.RECV_F)])
             return twin._global_loss(run)
+
+    def _compiled_for(self, args, kwargs) -> bool:
+        """Whether a batch has the shapes this module's program was compiled for."""
+        captured = self.program.captured
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != captured.in_spec:
+            return False
+        try:
+            split_batch(leaves, self.schedule.microbatches, captured.example_leaves)
+        except ValueError:
+            return False
+        return True
+
+    def _twin(self, args, kwargs, training: bool) -> "PipelineModule":
+        """This module, or a twin running another program (eval mode, or another batch shape: an epoch's
+        short last batch) on the same parameter shards, compiled on first use on this program's cuts."""
+        if training and (self._compiled_for(args, kwargs) or self.__dict__.get("_twin_of") is not None):
+            return self
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key = (training, str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+                                          for x in leaves))
+        twins = self.__dict__.setdefault("_twins", {})
+        if key not in twins:
+            compiler = getattr(self, "_twin_compiler", None)
+            if compiler is None:
+                raise RuntimeError("another batch shape or eval mode needs the compiler: build the module with "
+                                   "autoshard.parallelize")
+            start = time.perf_counter()
+            program = compiler(self.program, args, kwargs, training)
+            mine = {c.index: c.param_names for c in self.program.own}
+            if {c.index: c.param_names for c in program.own} != mine:
+                raise RuntimeError(f"the {'training' if training else 'eval'}-mode program for these inputs puts "
+                                   "other parameters on this rank's stages than the first program: evaluate the "
+                                   "single-device model on pm.full_state_dict()")
+            twin = PipelineModule(program, None, self.comms, peers=self.peers, tie_groups=self.tie_groups,
+                                  params=self.params, buffer_source=self._train_buffer)
+            twin.train(training)
+            twin.bucket_bytes, twin.post_receives_early = self.bucket_bytes, self.post_receives_early
+            twin.__dict__["_twin_of"] = self
+            twins[key] = twin
+            log.info("autoshard: compiled a %s pipeline program for inputs %s in %.2f s",
+                     "training" if training else "eval", key[2], time.perf_counter() - start)
+        return twins[key]
 
     def _train_buffer(self, name):
         if name in self._buffers_by_name:
