@@ -114,6 +114,13 @@ def main(argv=None):
                 tqdm.write(f"      checkpoint of step {step + 1} written to {os.path.abspath(args.save)}/ "
                            "(autoshard.load(pm, opt, path) resumes it, on this mesh or another)")
     calls = sum(pm.comm_counts()[0].values()) // max(args.steps, 1)
+    if pipelined:   # a validation loss: eval mode, forward only, no gradients (every rank takes part)
+        vx, vy = get_batch()
+        val = pm.eval_batch(*autoshard.local_batch((vx, vy), mesh))
+        if ref is not None:
+            with torch.no_grad():
+                _, rval = ref.eval()(vx, vy)
+            print(f"validation loss (pm.eval_batch): {val.item():.6f}, single-device {rval.item():.6f}")
     state = pm.full_state_dict()  # collective: every rank takes part
     if rank == 0:
         single = GPT(cfg)
