@@ -251,8 +251,13 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         users = self._microbatches(args, kwargs, "pm.step")
         grads_held = any(p.grad is not None for p in self.params.parameters())   # before the tied stash
         saved_tied = self._stash_tied_grads()
-        run = _Run(self, users, grads_held)
-        run.execute(self.schedule.actions.get(self.program.pp_rank, []))
+        try:
+            run = _Run(self, users, grads_held)
+            run.execute(self.schedule.actions.get(self.program.pp_rank, []))
+        except BaseException:      # the earlier gradients of tied weights are the caller's: put them back
+            for name, p, _ in self._tied():
+                p.grad = saved_tied.get(name)
+            raise
         if run.reducer is not None:
             run.reducer.finish()                 # the dp sums, overlapped with the last backward
             self.last_dp_wait = run.reducer.comm_seconds
