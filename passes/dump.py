@@ -144,7 +144,7 @@ def loss_section(program) -> list:
             smooth = f", label_smoothing={op.label_smoothing} over V={op.vocab}" if op.label_smoothing else ""
             where = "**vocab-parallel**, " if op.size > 1 else ""
             if op.epilogue:   # a scale or soft cap of the logits, applied per chunk
-                smooth += ", logits through " + " -> ".join(k if c is None else f"{k} {c:g}" for k, c in op.epilogue)
+                smooth += f", logits through {op.epilogue_text}"
             L.append(f"- `{n.name}` LM head + cross_entropy (reduction={_REDUCTIONS.get(op.reduction, op.reduction)}, "
                      f"ignore_index={op.ignore_index}{smooth}): {where}chunked, {op.chunks} chunks of {op.chunk} "
                      f"rows, the logits never whole (see Chunked loss). Collectives: "

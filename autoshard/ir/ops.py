@@ -178,6 +178,11 @@ class VocabParallelLinearCrossEntropy(ParallelOp):
         return -(-self.rows // self.chunk)
 
     @property
+    def epilogue_text(self) -> str:
+        """``div 30 -> tanh -> mul 30``: the epilogue as the dump and ``repr`` print it."""
+        return " -> ".join(k if c is None else f"{k} {c:g}" for k, c in self.epilogue)
+
+    @property
     def stats(self) -> int:
         """Row statistics in each chunk's stacked all-reduce (as ``VocabParallelCrossEntropy.stats``)."""
         return 3 if self.label_smoothing else 2
@@ -201,8 +206,7 @@ class VocabParallelLinearCrossEntropy(ParallelOp):
                 f"chunks of {self.chunk}, reduction={self.reduction}, ignore_index={self.ignore_index}"
                 + (f", label_smoothing={self.label_smoothing} over {self.vocab} classes" if self.label_smoothing else "")
                 + ("" if self.reduce_input_grad else ", input gradient reduced by the f before it")
-                + (f", logits through {' -> '.join(k if c is None else f'{k} {c:g}' for k, c in self.epilogue)}"
-                   if self.epilogue else ""))
+                + (f", logits through {self.epilogue_text}" if self.epilogue else ""))
 
 
 class VocabParallelLogsumexp(ParallelOp):

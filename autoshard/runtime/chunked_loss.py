@@ -91,7 +91,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             else []
         for s in range(0, rows, chunk):
             e = min(s + chunk, rows)
-            hc, x = h[s:e], buf[: e - s]
+            hc, x, kept = h[s:e], buf[: e - s], [t[: e - s] for t in tanhs]
             if low is None and bias is None:
                 torch.mm(hc, weight.t(), out=x)                             # the local logits, fp32
             elif low is None:
@@ -100,7 +100,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 mm = torch.mm(hc, weight.t(), out=low[: e - s]) if bias is None else \
                     torch.addmm(bias, hc, weight.t(), out=low[: e - s])
                 x.copy_(mm)
-            _epilogue_forward(x, epilogue, [t[: e - s] for t in tanhs])
+            _epilogue_forward(x, epilogue, kept)
             real = x
             if valid < local_vocab:
                 x[:, valid:] = float("-inf")
@@ -131,7 +131,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad.scatter_add_(1, lt, -((1.0 - eps) * hit[s:e] * row_scale).unsqueeze(1))
             if eps:  # the uniform target: real columns only
                 grad[:, :valid].sub_((eps / vocab * row_scale).unsqueeze(1))
-            _epilogue_backward(grad, epilogue, [t[: e - s] for t in tanhs])   # to the head's output
+            _epilogue_backward(grad, epilogue, kept)   # to the head's output
             if want_h:  # in h's dtype, as the head's matmul backward computes it
                 g = grad if low is None else low[: e - s].copy_(grad)
                 torch.mm(g, weight, out=dh[s:e])

@@ -128,8 +128,8 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         constants = {}
         for name in program.captured.buffer_names:
             if self._ensure_buffer(name):
-                pass
-            elif name in program.captured.constants:
+                continue
+            if name in program.captured.constants:
                 constants[name] = program.captured.constants[name].detach().clone()
             else:
                 raise ValueError(f"buffer or constant '{name}' of the captured graph was not found in the model")

@@ -1,0 +1,288 @@
+"""One pipeline step on one rank: ``Run`` walks the rank's action list (``ir.schedule``) over its
+stages' graphs, for ``PipelineModule`` (``runtime/pipeline.py``), which holds the parameters and graphs.
+
+- ``F``: run the stage's graph on the received boundary (a leaf that requires grad), keep the input and
+  the output until the backward, and queue the output for the next stage;
+- ``B``: ``autograd.backward`` from the output with the received gradient (from the loss on the last
+  stage), queue the input's gradient for the previous stage, then drop both: an activation lives from
+  its forward to its backward and no longer;
+- ``SEND_*``/``RECV_*``: consecutive transfers go out as one ``batch_isend_irecv``; a receive is waited
+  for only when a compute needs it, sends at the end of the step. Shapes and dtypes come from the
+  compiled chunks, so no shape handshake precedes a transfer. Tags name (direction, stage, microbatch).
+
+Sends never block and the schedule's dependency graph is acyclic (``schedule.validate``), so the walk
+cannot deadlock. A wait that fails (a peer raised or died) or outlives ``AUTOSHARD_TIMEOUT`` raises on
+this rank, naming the peer, so every rank exits with an error within the timeout.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autoshard.ir.schedule import Action, Kind
+from autoshard.ir.simulator import Span, Timeline
+
+if TYPE_CHECKING:
+    from autoshard.runtime.pipeline import PipelineModule
+
+
+class PipelineError(RuntimeError):
+    """A pipeline transfer failed or timed out: a peer rank raised, died or is stuck."""
+
+
+def split_batch(leaves: list, m: int, example_leaves: list | None = None) -> list:
+    """Per microbatch, the flattened call leaves: every tensor cut into m equal slices along dim 0 (and
+    checked against the compiled microbatch's ``example_leaves``, when given)."""
+    sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() >= 1}
+    if len(sizes) > 1:
+        raise ValueError(f"pm.step splits every tensor input along dim 0 into microbatches, but their first "
+                         f"dims differ: {sorted(sizes)}; pass batch-first tensors of one batch size")
+    batch = sizes.pop() if sizes else 1
+    if batch % m:
+        raise ValueError(f"a batch of {batch} rows cannot be split into microbatches={m}: use a batch size that "
+                         f"is a multiple of {m} (e.g. {batch // m * m or m}) or another microbatch count")
+    mb = batch // m
+    out = [[x[i * mb:(i + 1) * mb] if isinstance(x, torch.Tensor) and x.dim() >= 1 else x for x in leaves]
+           for i in range(m)]
+    for x, ex in zip(out[0], example_leaves or ()):
+        got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+        if got != ex:
+            raise ValueError(f"a microbatch input is {got}, but the pipeline was compiled for {ex}: pm.step "
+                             "runs the shapes of the example batch (batch size / microbatches); parallelize "
+                             "again for another batch shape")
+    return out
+
+
+class Denominator:
+    """The global target count, possibly still being summed over dp."""
+
+    def __init__(self, total: torch.Tensor, work=None):
+        self.total, self.work = total, work
+
+    def value(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.total.reshape(())
+
+    def reciprocal(self, dtype) -> torch.Tensor:
+        return (1.0 / self.value()).to(dtype)
+
+
+def _tag(kind: Kind, sender: int, microbatch: int, m: int) -> int:
+    """One tag per transfer: (direction, sending stage, microbatch)."""
+    return 1 + (2 * sender + (kind in (Kind.SEND_B, Kind.RECV_B))) * m + microbatch
+
+
+class Run:
+    """One step on one rank: the inbox of received values, the saved activations, the pending transfers."""
+
+    def __init__(self, pm: "PipelineModule", users: list, grads_held: bool, forward_only: bool = False):
+        self.pm, self.users, self.denominator = pm, users, None
+        self.forward_only = forward_only       # eval_batch: forwards alone, nothing kept for a backward
+        prog = pm.program
+        self.sched, self.m, self.me = prog.schedule, prog.schedule.microbatches, prog.pp_rank
+        self.chunks = {c.index: c for c in prog.own}
+        self.inbox, self.outbox, self.saved = {}, {}, {}
+        self.pending, self.sends = [], []
+        self.param_inputs = {}       # stage -> the graph's parameter inputs (local, padded, cast), per step
+        if forward_only:
+            self.leaves, self.reducer = pm.params.step_leaves(list(pm.params.records)), None
+        else:
+            self.leaves, self.reducer = pm._step_state(grads_held)
+        # receive buffers, the loss and its divisor live where the step computes (NCCL takes no CPU tensors)
+        self.device = _step_device(self.leaves, users)
+        self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.last_backward = {}                # stage -> its last B action this step (the reducer arms there)
+        for a in prog.schedule.actions.get(self.me, []):
+            if a.kind is Kind.B:
+                self.last_backward[a.stage] = a
+        self.param_storages = {t.untyped_storage().data_ptr() for t in self.leaves.values()} \
+            if pm.measure_memory else set()
+        self.spans, self.busy = [], 0.0
+        self.held = self.peak = 0
+        self.start = time.perf_counter()
+
+    # transfers ----------------------------------------------------------------------------------------
+    def _peer(self, a: Action) -> int:
+        stage = a.stage + (1 if a.kind in (Kind.SEND_F, Kind.RECV_B) else -1)
+        return self.sched.rank_of(stage)
+
+    def _post(self, a: Action) -> None:
+        peer = self.pm.peers[self._peer(a)]
+        if a.kind in (Kind.SEND_F, Kind.SEND_B):
+            key = ("F" if a.kind is Kind.SEND_F else "B", a.stage, a.microbatch)
+            tensor = self.outbox.pop(key).contiguous()
+            self.pending.append((a, dist.P2POp(dist.isend, tensor, peer, tag=_tag(a.kind, a.stage, a.microbatch,
+                                                                                       self.m)), tensor))
+        else:
+            chunk = self.chunks[a.stage]
+            forward = a.kind is Kind.RECV_F
+            shape, dtype = (chunk.in_shape, chunk.in_dtype) if forward else (chunk.out_shape, chunk.out_dtype)
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+            sender = a.stage - 1 if forward else a.stage + 1
+            op = dist.P2POp(dist.irecv, tensor, peer, tag=_tag(a.kind, sender, a.microbatch, self.m))
+            self.pending.append((a, op, tensor))
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        works = dist.batch_isend_irecv([op for _, op, _ in self.pending])
+        for (a, _, tensor), work in zip(self.pending, works):
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                self.sends.append((a, work, tensor))
+            else:
+                key = ("F" if a.kind is Kind.RECV_F else "B", a.stage, a.microbatch)
+                self.inbox[key] = (a, work, tensor)
+        self.pending = []
+
+    def _wait(self, a: Action, work) -> None:
+        peer = self.pm.peers[self._peer(a)]
+        try:
+            ok = work.wait(self.pm.timeout)
+        except Exception as e:  # noqa: BLE001 - name the peer, whatever the backend raised
+            raise PipelineError(f"pipeline rank {self.me}: {a} (with global rank {peer}) failed after "
+                                f"{time.perf_counter() - self.start:.1f} s: {type(e).__name__}: "
+                                f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. Rank {peer} probably "
+                                "raised or died: see its error") from e
+        if ok is False:
+            raise PipelineError(f"pipeline rank {self.me}: {a} (with global rank {peer}) did not complete within "
+                                f"AUTOSHARD_TIMEOUT={self.pm.timeout.total_seconds():.0f} s")
+
+    def _take(self, key):
+        value = self.inbox.pop(key)
+        if isinstance(value, tuple):
+            a, work, tensor = value
+            t0 = time.perf_counter() - self.start
+            self._wait(a, work)
+            self.spans.append(Span(a, t0, time.perf_counter() - self.start))
+            return tensor
+        return value
+
+    # compute ------------------------------------------------------------------------------------------
+    def _forward(self, a: Action) -> None:
+        chunk = self.chunks[a.stage]
+        x = None
+        if a.stage > 0:
+            x = self._take(("F", a.stage, a.microbatch)).detach().requires_grad_(not self.forward_only)
+        t0 = time.perf_counter() - self.start
+        graph = self.pm.graphs[str(a.stage)]
+        if a.stage not in self.param_inputs:   # once per step: the same local leaves feed every microbatch
+            self.param_inputs[a.stage] = self.pm.params.local_inputs(chunk.params, self.leaves)
+        inputs = self.pm._inputs(chunk, x, self.users[a.microbatch], self.param_inputs[a.stage])
+        saved = _SavedBytes(self.param_storages) if self.pm.measure_memory else None
+        if saved is None:
+            out = graph(*inputs)
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                out = graph(*inputs)
+        if chunk.last:
+            self.loss = self.loss + out.detach().float()
+        elif self.sched.rank_of(a.stage + 1) == self.me:
+            self.inbox[("F", a.stage + 1, a.microbatch)] = out.detach()
+        else:
+            self.outbox[("F", a.stage, a.microbatch)] = out.detach()
+        nbytes = saved.bytes if saved is not None else 0
+        if not self.forward_only:
+            self.saved[a.stage, a.microbatch] = (x, out, nbytes)
+        self._done(a, t0)
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+
+    def _backward(self, a: Action) -> None:
+        chunk = self.chunks[a.stage]
+        x, out, nbytes = self.saved.pop((a.stage, a.microbatch))
+        grad = None if chunk.last else self._take(("B", a.stage, a.microbatch))
+        if self.reducer is not None and self.last_backward.get(a.stage) == a:
+            self.reducer.arm(a.stage)
+        if chunk.last:     # seed with 1 / (the global batch's count): the loss is the global mean
+            grad = self.denominator.reciprocal(out.dtype)
+        t0 = time.perf_counter() - self.start
+        if out.requires_grad:     # not when every parameter of a first stage is frozen: nothing to do
+            torch.autograd.backward(out, grad)
+        self.held -= nbytes
+        if x is not None:
+            if self.sched.rank_of(a.stage - 1) == self.me:
+                self.inbox[("B", a.stage - 1, a.microbatch)] = x.grad
+            else:
+                self.outbox[("B", a.stage, a.microbatch)] = x.grad
+        del x, out
+        self._done(a, t0)
+
+    def _done(self, a: Action, t0: float) -> None:
+        t1 = time.perf_counter() - self.start
+        self.spans.append(Span(a, t0, t1))
+        self.busy += t1 - t0
+
+    def execute(self, actions: list) -> None:
+        """Walk the actions. Every receive of the step is posted up front (its buffer's shape is known
+        from the compiled chunks), so a transfer runs as soon as its sender sends, while this rank
+        computes, instead of starting when the data is needed. The buffers are the boundary tensors of
+        the step's microbatches: small next to the activations they feed. Sends go out right after the
+        compute that made them."""
+        # up front on gloo, whose transfers each run on their own; NCCL runs a rank's batched transfers on one
+        # stream in order, where a group of every receive would wait for sends queued behind it: there
+        # each receive is posted at its place in the action list (batched with the sends next to it)
+        early = self.pm.post_receives_early
+        up_front = _backend() == "gloo" if early is None else early
+        if up_front:
+            for a in actions:
+                if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                    self._post(a)
+            self._flush()
+        # counted while the first receive is in flight (a later stage waits for it anyway)
+        self.denominator = self.pm._denominator(self.users, self.device)
+        for a in actions:
+            if a.is_compute:
+                self._flush()
+                (self._forward if a.kind is Kind.F else self._backward)(a)
+            elif a.kind in (Kind.SEND_F, Kind.SEND_B) or not up_front:
+                self._post(a)
+        self._flush()
+        for a, work, _ in self.sends:
+            self._wait(a, work)
+        if self.saved:
+            raise RuntimeError(f"internal: the schedule left {sorted(self.saved)} without a backward")
+        if self.denominator is not None:
+            self.loss = self.loss / self.denominator.value()
+
+    def timeline(self) -> Timeline:
+        end = time.perf_counter() - self.start
+        return Timeline(self.sched.name, self.sched.pp, {self.me: self.spans}, end, {self.me: self.busy},
+                        {self.me: self.peak})
+
+
+def _backend() -> str:
+    return dist.get_backend() if dist.is_available() and dist.is_initialized() else "gloo"
+
+
+def _step_device(leaves: dict, users: list) -> torch.device:
+    """Where the step computes: its parameters' device, or its inputs' for a rank holding none."""
+    for t in list(leaves.values()) + [v for u in users for v in u.values()]:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves during one forward (each storage once; a parameter's own storage
+    is not an activation, but a cast or padded copy of it is): the activation memory one microbatch holds."""
+
+    def __init__(self, exclude=frozenset()):
+        self.bytes, self._seen = 0, set(exclude)
+
+    def pack(self, t):
+        if not isinstance(t, nn.Parameter):
+            key = t.untyped_storage().data_ptr()
+            if key not in self._seen:
+                self._seen.add(key)
+                self.bytes += t.untyped_storage().nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
