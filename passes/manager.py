@@ -25,6 +25,7 @@ from autoshard.ir.options import CompileOptions
 from autoshard.passes import dump as D
 from autoshard.passes.bias import decompose_bias_pass, fuse_bias_pass
 from autoshard.passes.canonicalize import canonicalize_pass
+from autoshard.passes.fill_slices import fill_slices_pass
 from autoshard.passes.chunk_loss import chunk_loss_pass
 from autoshard.passes.fusion import fuse_pass
 from autoshard.passes.microbatch_loss import microbatch_loss_pass
@@ -63,6 +64,7 @@ class Pass:
 CAPTURED = (M.KIND, M.NAME, M.REQUIRES_GRAD)   # what capture provides
 
 PASSES = [
+    Pass("fill_slices", fill_slices_pass, "a fresh buffer filled slice by slice (DeepSeek's MLA keys) is one cat"),
     Pass("canonicalize", canonicalize_pass, "ops in the spelling the rules know; in-place ops made pure"),
     Pass("check_heads", check_heads_pass, "heads tp does not divide are an error before any work is done"),
     Pass("loss_only", loss_only_pass, "drop outputs before planning, so nothing is priced for gathering them"),

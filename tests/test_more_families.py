@@ -27,6 +27,16 @@ CASES = {
     "mixtral": (lambda: T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2), "sdpa"),
     "qwen2_moe": (lambda: T.Qwen2MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                            shared_expert_intermediate_size=32), "sdpa"),
+    # multi-head latent attention: low-rank q and kv, a rotary part shared by every head, keys assembled by
+    # copies into slices of a fresh buffer; V3 adds grouped top-k routing and a dense first layer
+    "deepseek_v2": (lambda: T.DeepseekV2Config(**{**COMMON, "num_key_value_heads": 4}, q_lora_rank=None,
+                                               kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                               n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                               first_k_dense_replace=1), "sdpa"),
+    "deepseek_v3": (lambda: T.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, q_lora_rank=32,
+                                               kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                                               n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                               first_k_dense_replace=1, n_group=2, topk_group=1), "sdpa"),
 }
 
 

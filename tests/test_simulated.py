@@ -270,3 +270,40 @@ def test_programs_keep_their_own_constants_and_key_on_requires_grad():
     for train, ev, n, first in run_ranks(MeshSpec(tp=2), rank):
         assert train == pytest.approx(want_train, rel=1e-6) and ev == pytest.approx(want_eval, rel=1e-6)
         assert n == 3 and first
+
+
+class FillBySlices(nn.Module):
+    """DeepSeek MLA's keys: a fresh buffer, its head-sharded first part and a broadcast shared part
+    copied into slices of the last dimension. Exact at any tp, because the buffer is their ``cat``."""
+    def __init__(self, how="exact"):
+        super().__init__()
+        self.how = how
+        self.a, self.shared, self.b = nn.Linear(8, 4 * 6), nn.Linear(8, 2), nn.Linear(4 * 8, 8)
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        k = self.a(x).view(B, S, 4, 6).transpose(1, 2)             # [B, heads, S, 6]
+        r = self.shared(x).view(B, 1, S, 2).expand(-1, 4, -1, -1)  # one part for every head
+        out = k.new_empty(B, 4, S, 8)
+        if self.how == "read early":
+            early = out[..., :6].copy_(k).sum()
+        else:
+            out[..., :6].copy_(k)
+        lo = 5 if self.how == "overlap" else 6
+        out[..., lo:].copy_(r.double() if self.how == "exact" else r[..., :1] if self.how == "overlap" else r)
+        y = self.b(out.transpose(1, 2).reshape(B, S, 32)).pow(2).sum()
+        return y + early if self.how == "read early" else y
+
+
+def test_fill_by_slices_becomes_a_cat_and_is_exact():
+    torch.manual_seed(0)
+    for t in (1, 2, 4):
+        assert_same(FillBySlices(), (torch.randn(2, 3, 8),), t)
+
+
+@pytest.mark.parametrize("how", ["overlap", "read early"])
+def test_fill_by_slices_that_is_not_a_cat_stays_refused_at_tp2(how):
+    torch.manual_seed(0)
+    assert_same(FillBySlices(how), (torch.randn(2, 3, 8),), 1)
+    with pytest.raises(NotImplementedError, match=r"writes in place \(aten.copy_.default\)"):
+        assert_same(FillBySlices(how), (torch.randn(2, 3, 8),), 2)
