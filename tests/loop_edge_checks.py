@@ -210,8 +210,17 @@ def eval_batch_is_the_eval_mode_loss(rank, world):
     return dict(got=got, want=float(want), untouched=untouched, held=bool(grads))
 
 
+def mixed_precision_on_the_whole_mesh(rank, world):
+    """bf16 compute with fp32 parameters, gradients and ZeRO-1 state, on dp=2 x pp=2 with a tied head and
+    clipping: the losses within bf16 rounding of the fp32 single-device model's, the main weights fp32."""
+    from tests.pipeline_checks import pipeline_parity
+    return pipeline_parity(rank, world, "gpt", dict(dp=2, pp=2),
+                           dict(microbatches=2, zero=1, mixed_precision="bf16", clip=0.5), dict(n_layer=2))
+
+
 def suite(rank, world, path):
-    return dict(zero=zero_groups_scheduler_frozen_and_checkpoint(rank, world, path),
+    return dict(mixed=mixed_precision_on_the_whole_mesh(rank, world),
+                zero=zero_groups_scheduler_frozen_and_checkpoint(rank, world, path),
                 pipeline=pipeline_frozen_tied_and_real_weights(rank, world),
                 summed=summed_loss_over_microbatches_and_dp(rank, world),
                 eval=eval_batch_is_the_eval_mode_loss(rank, world))
