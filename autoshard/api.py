@@ -225,6 +225,7 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
         peers = spec.group_ranks(rank, "pp")
         ties = _tie_groups(spec, rank, program.ties()) if spec.pp > 1 else {}
         pm = PipelineModule(program, model, comms, mesh["tp"] if real_mesh else None, peers, ties)
+        pm.max_programs = max_programs
 
         def twin_compiler(train, args, kwargs, training):
             """Another program of this pipeline (eval mode, or another batch shape) on the training

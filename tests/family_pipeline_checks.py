@@ -8,12 +8,15 @@ import torch
 
 
 def build_family(name: str):
-    """``(model, vocab)``: a tiny random model of family ``name`` (``tests/families.py`` or
-    ``tests/test_more_families.py``), dropouts 0."""
+    """``(model, vocab)``: a tiny random model of family ``name`` (``tests/families.py``,
+    ``tests/test_more_families.py`` or ``tests/zoo.py``), dropouts 0."""
     import transformers as T
 
     from tests.families import GQA, FamilyConfig, build
     from tests.test_more_families import CASES
+    from tests.zoo import ZOO, build_zoo
+    if name in ZOO:
+        return build_zoo(name), 128
     if name in CASES:
         config, attn = CASES[name]
         torch.manual_seed(0)

@@ -207,7 +207,13 @@ def eval_batch_is_the_eval_mode_loss(rank, world):
     with torch.no_grad():
         _, want = ref(*_global(1))
     untouched = all(torch.equal(local(p.grad), grads[n]) for n, p in pm.named_parameters() if n in grads)
-    return dict(got=got, want=float(want), untouched=untouched, held=bool(grads))
+    pm.max_programs = 1          # twins are bounded: a short batch's eval program replaces the first's
+    short = autoshard.local_batch(([t[:4] for t in _global(1)], {}), mesh)[0]
+    with torch.no_grad():
+        want_short = float(ref(*[t[:4] for t in _global(1)])[1])
+    bounded = [float(pm.eval_batch(*short)), float(pm.eval_batch(*autoshard.local_batch((_global(1), {}), mesh)[0]))]
+    return dict(got=got, want=float(want), untouched=untouched, held=bool(grads), twins=len(pm._twins),
+                bounded=bounded, want_bounded=[want_short, float(want)])
 
 
 def mixed_precision_on_the_whole_mesh(rank, world):

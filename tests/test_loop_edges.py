@@ -31,3 +31,4 @@ def test_training_loop_edges_match_single_device(tmp_path):
         e = r["eval"]
         assert all(abs(g - e["want"]) <= 1e-5 * abs(e["want"]) for g in e["got"]), e     # no dropout in eval
         assert e["untouched"] and e["held"], e
+        assert e["twins"] == 1 and all(abs(g - w) <= 1e-5 * abs(w) for g, w in zip(e["bounded"], e["want_bounded"])), e

@@ -4,6 +4,7 @@ import copy
 import os
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -119,3 +120,16 @@ def test_collective_timeout_is_bounded():
     results = run_distributed(_hang, 2, timeout=60, init_pg=False)
     waited, _ = results[0]
     assert waited < 8
+
+
+def test_program_cache_keeps_the_most_recently_used_and_closes_the_rest():
+    from autoshard.runtime.program_cache import ProgramCache
+    closed = []
+    cache = ProgramCache(2, "program", on_drop=closed.append)
+    cache.put("a", "A"), cache.put("b", "B")
+    assert cache.get("a") == "A"          # now the most recently used: "b" goes first
+    cache.put("c", "C")
+    assert closed == ["B"] and "b" not in cache and len(cache) == 2 and cache.values() == ["A", "C"]
+    assert cache.get("b") is None
+    with pytest.raises(ValueError, match="max_programs=0"):
+        ProgramCache(0, "program")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ from autoshard.runtime.bind import bind
 from autoshard.runtime.comm import AxisComm
 from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
 from autoshard.runtime.params import ShardedParameters
+from autoshard.runtime.program_cache import ProgramCache
 
 log = logging.getLogger("autoshard")
 
@@ -73,14 +73,14 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self._buffer_attr = {}               # buffer name -> its attribute (b0, b1, ...)
         self._check_every = check_replicas_every()
         self._compiler, self.max_programs = compiler, max_programs
-        self._programs = OrderedDict()       # ProgramKey -> (Program, bound graph, its constants)
+        self._programs = ProgramCache(max_programs, "program")   # ProgramKey -> (Program, bound graph, constants)
         self.compile_log = []              # (ProgramKey, seconds) per program compiled after the first
         self._steps = 0
         self._step_compiler = step_compiler
         self.bucket_bytes = DEFAULT_BUCKET_BYTES   # dp gradient buckets of pm.step (DDP's bucket_cap_mb)
         self.zero = 0                              # pm.optimizer's default ZeRO stage (parallelize(zero=...))
         self.__dict__["_stepper"] = None     # the last pm.step executor: shares self.params, not a submodule
-        self.__dict__["_steppers"] = OrderedDict()   # ProgramKey -> its executor (one per batch shape)
+        self.__dict__["_steppers"] = ProgramCache(max_programs, "pm.step program", on_drop=lambda s: s.close())
         self.train(model.training)
         self._check_ranks_agree(program, model)
         captured = program.captured
@@ -133,16 +133,12 @@ class ParallelModule(training.TrainingMethods, nn.Module):
                 constants[name] = program.captured.constants[name].detach().clone()
             else:
                 raise ValueError(f"buffer or constant '{name}' of the captured graph was not found in the model")
-        self._programs[k] = (program, bind(program.gm, self.comms), constants)
-        while len(self._programs) > self.max_programs:
-            old, _ = self._programs.popitem(last=False)  # (the first program stays reachable as .program)
-            log.info("autoshard: dropped the least recently used program (%s) to keep %d", old, self.max_programs)
+        self._programs.put(k, (program, bind(program.gm, self.comms), constants))   # (.program keeps the first)
 
     def _program_for(self, leaves, spec):
         k = program_key(self.training, leaves, spec)
         if k in self._programs:
-            self._programs.move_to_end(k)
-            return self._programs[k]
+            return self._programs.get(k)
         first = self.program
         if self._compiler is None:
             self._explain_mismatch(leaves, spec, first)
@@ -161,7 +157,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self.compile_log.append((k, seconds))
         log.info("autoshard: compiled a %s-mode program for new inputs %s in %.2f s (%d of at most %d cached)",
                  "train" if self.training else "eval", k.inputs, seconds, len(self._programs), self.max_programs)
-        return self._programs[k]
+        return self._programs.get(k)
 
     @staticmethod
     def _explain_mismatch(leaves, spec, program):
@@ -222,14 +218,11 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             stepper.bucket_bytes = self.bucket_bytes
             stepper._twin_compiler = (lambda train, a, kw, training, p=pins:
                                       self._step_compiler(a, kw, p, training=training))
-            self._steppers[key] = stepper
+            stepper.max_programs = self.max_programs
+            self._steppers.put(key, stepper)
             if len(self._steppers) > 1:
                 log.info("autoshard: compiled a pm.step program for new inputs %s in %.2f s", key.inputs,
                          time.perf_counter() - start)
-            while len(self._steppers) > self.max_programs:
-                _, old = self._steppers.popitem(last=False)
-                old.close()
-        self._steppers.move_to_end(key)
         self.__dict__["_stepper"] = stepper
         return stepper
 

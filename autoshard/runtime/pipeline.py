@@ -32,6 +32,7 @@ from autoshard.runtime.comm import AxisComm
 from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer
 from autoshard.runtime.executor import Denominator, PipelineError, Run, split_batch
 from autoshard.runtime.module import _load_state_dict_names, _state_dict_names, program_key
+from autoshard.runtime.program_cache import ProgramCache
 from autoshard.runtime.params import ShardedParameters
 
 log = logging.getLogger("autoshard")
@@ -89,6 +90,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         self.zero = getattr(program.options.pipeline, "zero", 0)
         self.bucket_bytes = DEFAULT_BUCKET_BYTES   # dp gradient buckets (DDP's bucket_cap_mb)
         self.post_receives_early = None      # every receive posted at the step's start: None = on gloo only
+        self.max_programs = 8                # twins kept (other batch shapes, eval mode): parallelize(max_programs=)
         # count the bytes each microbatch's forward saves for backward (a saved_tensors_hooks callback per
         # saved tensor, a few percent of a step on CPU): on when dumping, or set it for a benchmark
         self.measure_memory = self._dump is not None
@@ -243,8 +245,12 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         if training and (self._compiled_for(args, kwargs) or self.__dict__.get("_twin_of") is not None):
             return self
         key = program_key(training, *pytree.tree_flatten((args, kwargs)))
-        twins = self.__dict__.setdefault("_twins", {})
-        if key not in twins:
+        if "_twins" not in self.__dict__:
+            self.__dict__["_twins"] = ProgramCache(self.max_programs, "pipeline program", on_drop=lambda t: t.close())
+        twins = self.__dict__["_twins"]
+        twins.limit = self.max_programs
+        twin = twins.get(key)
+        if twin is None:
             compiler = getattr(self, "_twin_compiler", None)
             if compiler is None:
                 raise RuntimeError("another batch shape or eval mode needs the compiler: build the module with "
@@ -260,11 +266,12 @@ class PipelineModule(training.TrainingMethods, nn.Module):
                                   params=self.params, buffer_source=self._train_buffer)
             twin.train(training)
             twin.bucket_bytes, twin.post_receives_early = self.bucket_bytes, self.post_receives_early
+            twin.max_programs = self.max_programs
             twin.__dict__["_twin_of"] = self
-            twins[key] = twin
+            twins.put(key, twin)
             log.info("autoshard: compiled a %s pipeline program for inputs %s in %.2f s",
                      "training" if training else "eval", key.inputs, time.perf_counter() - start)
-        return twins[key]
+        return twin
 
     def _train_buffer(self, name):
         if name in self._buffers_by_name:

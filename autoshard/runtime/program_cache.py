@@ -1,0 +1,57 @@
+"""One bounded cache for the programs a module compiles after its first.
+
+Every new call shape (an epoch's short last batch, a longer validation sequence) or mode compiles a
+program of its own: a ``forward`` program, a ``pm.step`` executor, a pipeline twin. A training loop with
+many sequence lengths would otherwise keep one of each forever, with its bound graph and its saved
+buffers. The modules keep them here instead: the ``limit`` most recently used, by ``ProgramKey``. A
+dropped entry is closed (an executor removes its gradient hooks) and logged; if its inputs come back it
+is compiled again.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Callable, Generic, TypeVar
+
+log = logging.getLogger("autoshard")
+
+V = TypeVar("V")
+
+
+class ProgramCache(Generic[V]):
+    """The ``limit`` most recently used values by key; ``on_drop(value)`` runs on each one dropped."""
+
+    def __init__(self, limit: int, what: str, on_drop: Callable[[V], None] | None = None):
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"max_programs={limit!r}: keep at least one program (an int >= 1)")
+        self.limit, self.what, self._on_drop = limit, what, on_drop
+        self._entries: OrderedDict = OrderedDict()
+
+    def get(self, key) -> V | None:
+        """The value for ``key``, now the most recently used; None if there is none."""
+        if key not in self._entries:
+            return None
+        self._entries.move_to_end(key)
+        return self._entries[key]
+
+    def put(self, key, value: V) -> V:
+        """Keep ``value`` for ``key``, dropping the least recently used beyond the limit."""
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.limit:
+            old_key, old = self._entries.popitem(last=False)
+            if self._on_drop is not None:
+                self._on_drop(old)
+            log.info("autoshard: dropped the least recently used %s (%s) to keep %d; it compiles again if its "
+                     "inputs come back (parallelize(max_programs=...) keeps more)", self.what,
+                     getattr(old_key, "inputs", old_key), self.limit)
+        return value
+
+    def __contains__(self, key) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def values(self) -> list[V]:
+        return list(self._entries.values())
