@@ -44,6 +44,7 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
     zero = options.get("zero", 0)         # ZeRO-1: pm.optimizer shards AdamW's state over dp
     accumulate = options.pop("accumulate", False)   # two pm.step calls per optimizer step, no zero_grad
     late = options.pop("late_receives", False)      # each receive posted at its action, as on NCCL
+    bucket = options.pop("bucket_bytes", None)      # dp buckets of this size, the first too (many all-reduces)
     model, vocab = build_model(kind, cfg)
     ref = copy.deepcopy(model)
     dp = mesh.get("dp", 1)            # each dp rank steps on its rows of a global batch of B * dp
@@ -52,6 +53,8 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
     pm = autoshard.parallelize(model, device_mesh, *autoshard.local_batch((args, kwargs), device_mesh), **options)
     if late:
         pm.post_receives_early = False
+    if bucket is not None:
+        pm.bucket_bytes = pm.first_bucket_bytes = bucket
     if dp > 1 and mesh.get("pp", 1) == 1:   # a ParallelModule: eval forwards work, training ones must refuse
         local_args, local_kwargs = autoshard.local_batch((args, kwargs), device_mesh)
         try:

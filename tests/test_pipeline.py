@@ -38,7 +38,7 @@ FOUR_RANKS = [
 DATA_PARALLEL = [   # (dp, pp, tp) on 4 ranks; each dp rank steps on its own rows of the global batch
     ("gpt", dict(dp=2, tp=2), dict(microbatches=2), dict(n_layer=2)),
     ("gpt", dict(dp=2, pp=2), dict(microbatches=2, clip=0.05), GPT),
-    ("gpt", dict(dp=4), dict(microbatches=2), dict(n_layer=2)),
+    ("gpt", dict(dp=4), dict(microbatches=2, bucket_bytes=4096), dict(n_layer=2)),   # many buckets, overlapped
     ("gpt", dict(dp=2, pp=2), dict(microbatches=2, zero=1), GPT),        # ZeRO-1 with the tied head on 2 stages
     ("gpt", dict(dp=2, pp=2), dict(microbatches=2, accumulate=True), GPT),  # two pm.step per optimizer step
     ("gpt", dict(dp=2, pp=2), dict(microbatches=2, schedule="interleaved", virtual_stages=2), GPT),  # 2 buckets sets

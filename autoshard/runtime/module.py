@@ -78,6 +78,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self._steps = 0
         self._step_compiler = step_compiler
         self.bucket_bytes = DEFAULT_BUCKET_BYTES   # dp gradient buckets of pm.step (DDP's bucket_cap_mb)
+        self.first_bucket_bytes = None             # None: 1 MiB on CUDA, as the others on CPU (data_parallel.py)
         self.zero = 0                              # pm.optimizer's default ZeRO stage (parallelize(zero=...))
         self.__dict__["_stepper"] = None     # the last pm.step executor: shares self.params, not a submodule
         self.__dict__["_steppers"] = ProgramCache(max_programs, "pm.step program", on_drop=lambda s: s.close())
@@ -215,7 +216,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             start = time.perf_counter()
             program = self._step_compiler(args, kwargs, pins)
             stepper = PipelineModule(program, None, self.comms, params=self.params, buffer_source=self._step_buffer)
-            stepper.bucket_bytes = self.bucket_bytes
+            stepper.bucket_bytes, stepper.first_bucket_bytes = self.bucket_bytes, self.first_bucket_bytes
             stepper._twin_compiler = (lambda train, a, kw, training, p=pins:
                                       self._step_compiler(a, kw, p, training=training))
             stepper.max_programs = self.max_programs

@@ -89,6 +89,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         self.last_dp_wait = 0.0              # seconds the last step blocked on dp all-reduces after backward
         self.zero = getattr(program.options.pipeline, "zero", 0)
         self.bucket_bytes = DEFAULT_BUCKET_BYTES   # dp gradient buckets (DDP's bucket_cap_mb)
+        self.first_bucket_bytes = None             # None: 1 MiB on CUDA, as the others on CPU (data_parallel.py)
         self.post_receives_early = None      # every receive posted at the step's start: None = on gloo only
         self.max_programs = 8                # twins kept (other batch shapes, eval mode): parallelize(max_programs=)
         # count the bytes each microbatch's forward saves for backward (a saved_tensors_hooks callback per
@@ -140,7 +141,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
             leaves = self.params.step_leaves(list(self.params.records))
             dp = self.comms["dp"]
             reducer = GradReducer(dp, leaves, {c.index: c.param_names for c in self.program.own},
-                                  self.bucket_bytes) if dp.size > 1 else None
+                                  self.bucket_bytes, self.first_bucket_bytes) if dp.size > 1 else None
             cached = self.__dict__["_leaves_cache"] = (leaves, reducer)
         leaves, reducer = cached
         if reducer is None:
@@ -266,6 +267,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
                                   params=self.params, buffer_source=self._train_buffer)
             twin.train(training)
             twin.bucket_bytes, twin.post_receives_early = self.bucket_bytes, self.post_receives_early
+            twin.first_bucket_bytes = self.first_bucket_bytes
             twin.max_programs = self.max_programs
             twin.__dict__["_twin_of"] = self
             twins.put(key, twin)
