@@ -91,6 +91,17 @@ def _capture(model, args, kwargs, options: CompileOptions, training: bool) -> Ca
     return captured
 
 
+def _recompute_resolved(options: CompileOptions, model: nn.Module) -> CompileOptions:
+    """``recompute="auto"`` as the model asks: HF's ``activation_checkpointing_enable()`` (before
+    transformers 5.x: ``gradient_checkpointing_enable()``) sets ``is_activation_checkpointing``
+    (``is_gradient_checkpointing``), which export cannot see: it traces through the checkpoint."""
+    if options.recompute != "auto":
+        return options
+    flag = next((f for f in ("is_activation_checkpointing", "is_gradient_checkpointing")
+                 if hasattr(type(model), f)), None)
+    return dataclasses.replace(options, recompute=bool(flag and getattr(model, flag)))
+
+
 def _rank_dump_dir(options: CompileOptions, rank: int) -> str | None:
     out = dump_dir(options.dump)
     return f"{out}/rank{rank}" if out and rank != 0 else out
@@ -105,7 +116,7 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
     No collective runs and no process group is touched: the program's parallel ops name their mesh axis
     and are bound when it is instantiated (``ParallelModule(program, model, comms)``).
     """
-    options = options or CompileOptions()
+    options = _recompute_resolved(options or CompileOptions(), model)
     spec = mesh_spec(mesh)
     if spec.pp > 1 and options.pipeline is None:
         raise ValueError(f"mesh {spec} has a pipeline axis: compile it with compile_pipeline (parallelize does) "
@@ -138,7 +149,7 @@ def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example
     options = options or CompileOptions(pipeline=PipelineOptions())
     if options.pipeline is None:
         options = dataclasses.replace(options, pipeline=PipelineOptions())
-    options = dataclasses.replace(options, loss_only=True)
+    options = _recompute_resolved(dataclasses.replace(options, loss_only=True), model)
     spec = mesh_spec(mesh)
     spec.coords(rank)
     check_pass_list(options.disable)
@@ -179,7 +190,7 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
                 loss_only: bool = False, dump: str | None = None, cost_model=None, disable=(),
                 mixed_precision: str | None = None, max_programs: int = 8, microbatches: int | None = None,
                 schedule: str = "1f1b", virtual_stages: int = 1, pipeline_cuts=None, memory_limit=None,
-                zero: int = 0, fuse: bool | str = "auto", loss_chunk_rows="auto",
+                zero: int = 0, fuse: bool | str = "auto", loss_chunk_rows="auto", recompute: bool | str = "auto",
                 options: CompileOptions | None = None):
     """Tensor-parallel ``model`` over ``mesh["tp"]``: an ``nn.Module`` holding this rank's shards.
 
@@ -204,12 +215,15 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     ``True`` on CPU too when ``TRITON_INTERPRET=1`` (slow: for tests). When only the loss reads the
     logits (``loss_only``, ``pm.step``), the LM head and the cross-entropy run chunked over tokens so the
     logits never exist whole: ``loss_chunk_rows`` rows at a time ("auto": Liger's rule, at least 256;
-    None: off).
+    None: off). ``recompute=True`` keeps only each layer's input for backward and runs the layer again
+    there (Megatron's full recompute); ``"auto"`` does so when the model asks (HF's
+    ``model.activation_checkpointing_enable()``, formerly ``gradient_checkpointing_enable()``).
     """
     spec = mesh_spec(mesh)
     if options is None:
         options = CompileOptions(pins=pins or {}, loss_only=loss_only, dump=dump, disable=disable,
-                                 mixed_precision=mixed_precision, fuse=fuse, loss_chunk_rows=loss_chunk_rows)
+                                 mixed_precision=mixed_precision, fuse=fuse, loss_chunk_rows=loss_chunk_rows,
+                                 recompute=recompute)
         if cost_model is not None:
             options.cost_model = cost_model
         options.pipeline = PipelineOptions(microbatches or 1, schedule, virtual_stages, pipeline_cuts, memory_limit,

@@ -232,6 +232,9 @@ def write_plan(program, dump_dir):
               f"{report.solve_seconds:.3f} s, objective {report.objective:.3e} s/step"]
     L += ["Pass timings: " + ", ".join(f"{k} {v:.3f} s" for k, v in program.timings.items()), ""]
     L += chunked_loss_section(program.gm.meta.get(CHUNKED_LOSS))
+    recompute = program.gm.meta.get(M.RECOMPUTE_PLAN)
+    if recompute is not None:
+        L += recompute.lines()
     fusion = program.gm.meta.get(M.FUSION_REPORT)
     L += fusion_section(fusion)
     write_kernels(fusion, dump_dir)

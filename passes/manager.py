@@ -33,6 +33,7 @@ from autoshard.passes.outputs import loss_only_pass
 from autoshard.passes.overlap import overlap_grad_allreduce_pass
 from autoshard.passes.pipeline_split import pipeline_split_pass
 from autoshard.passes.plan import plan_pass
+from autoshard.passes.recompute import recompute_pass
 from autoshard.passes.tp_rewrite import tp_rewrite_pass
 from autoshard.passes.unit_axis import drop_unit_axis_pass
 from autoshard.passes.validate import check_heads_pass, check_local_shapes_pass
@@ -91,6 +92,8 @@ PASSES = [
          requires=(M.LOCAL_SHAPE,), provides=(M.LOCAL_VAL,)),
     Pass("fuse", fuse_pass, "pointwise chains and row reductions as generated Triton kernels (plan.md: Fusion)",
          requires=(M.LOCAL_VAL,)),
+    Pass("recompute", recompute_pass, "each layer keeps only its input and runs again in backward "
+         "(plan.md: Activation recompute)", provides=(M.RECOMPUTE,)),
 ]
 
 

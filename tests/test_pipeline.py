@@ -30,7 +30,7 @@ TWO_RANKS = [
 FOUR_RANKS = [
     ("gpt", dict(pp=4), dict(microbatches=4, schedule="interleaved", virtual_stages=2, late_receives=True), GPT),
     ("gpt", dict(pp=4), dict(microbatches=4, schedule="1f1b"), dict(n_layer=4, tie_weights=False)),
-    ("gpt", dict(pp=2, tp=2), dict(microbatches=2, schedule="1f1b", clip=0.05), GPT),
+    ("gpt", dict(pp=2, tp=2), dict(microbatches=2, schedule="1f1b", clip=0.05, recompute=True), GPT),
     ("hf", dict(pp=2, tp=2), dict(microbatches=2, schedule="interleaved", virtual_stages=2), {}),
 ]
 
@@ -41,7 +41,8 @@ DATA_PARALLEL = [   # (dp, pp, tp) on 4 ranks; each dp rank steps on its own row
     ("gpt", dict(dp=4), dict(microbatches=2, bucket_bytes=4096), dict(n_layer=2)),   # many buckets, overlapped
     ("gpt", dict(dp=2, pp=2), dict(microbatches=2, zero=1), GPT),        # ZeRO-1 with the tied head on 2 stages
     ("gpt", dict(dp=2, pp=2), dict(microbatches=2, accumulate=True), GPT),  # two pm.step per optimizer step
-    ("gpt", dict(dp=2, pp=2), dict(microbatches=2, schedule="interleaved", virtual_stages=2), GPT),  # 2 buckets sets
+    ("gpt", dict(dp=2, pp=2), dict(microbatches=2, schedule="interleaved", virtual_stages=2, recompute=True),
+     GPT),   # 2 bucket sets; every layer recomputed in backward
 ]
 
 

@@ -50,9 +50,11 @@ SOURCE = MetaKey("autoshard_source", "tp_rewrite", "collective nodes: the node w
 LOCAL_VAL = MetaKey("autoshard_local_val", "check_local_shapes",
                     "a meta tensor of the node's local value: shape, dtype and strides on this rank")
 
-ALL = (KIND, NAME, REQUIRES_GRAD, STRATEGY, SPEC, GLOBAL_SHAPE, LOCAL_SHAPE, SOURCE, LOCAL_VAL)
+RECOMPUTE = MetaKey("autoshard_recompute", "recompute", "nodes of a recomputed region (one layer): its index")
+ALL = (KIND, NAME, REQUIRES_GRAD, STRATEGY, SPEC, GLOBAL_SHAPE, LOCAL_SHAPE, SOURCE, LOCAL_VAL, RECOMPUTE)
 
 # Graph-level facts live in ``GraphModule.meta`` under these keys.
 PLAN_REPORT = "autoshard_plan_report"
 FUSION_REPORT = "autoshard_fusion_report"     # ir.fusion.FusionReport, from the fuse pass
 CHUNKED_LOSS = "autoshard_chunked_loss"       # passes.chunk_loss.ChunkedLossReport, from chunk_loss
+RECOMPUTE_PLAN = "autoshard_recompute_plan"   # ir.recompute.RecomputePlan, from the recompute pass

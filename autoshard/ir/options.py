@@ -110,6 +110,7 @@ class CompileOptions:
     pipeline: PipelineOptions | None = None           # set for pm.step programs (microbatches, stages)
     fuse: bool | str = "auto"                         # generated Triton kernels: True, False, "auto" (on CUDA)
     loss_chunk_rows: int | str | None = "auto"        # LM head + loss chunked over tokens: rows per chunk, or None
+    recompute: bool | str = "auto"                    # each layer recomputed in backward; "auto": the model's flag
 
     def __post_init__(self):
         self.pins = dict(self.pins or {})
@@ -117,6 +118,9 @@ class CompileOptions:
         if self.mixed_precision not in (None, "bf16"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: the supported value is 'bf16' (fp32 "
                              "parameters and gradients, bf16 compute, fp32 loss reductions), or None")
+        if self.recompute not in (True, False, "auto"):
+            raise ValueError(f"recompute={self.recompute!r}: True (every layer keeps only its input and runs "
+                             "again in backward), False, or 'auto' (as the model's is_gradient_checkpointing)")
         rows = self.loss_chunk_rows
         if not (rows is None or rows == "auto" or (isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0)):
             raise ValueError(f"loss_chunk_rows={rows!r}: rows per chunk of the LM head + loss are 'auto' (Liger's "

@@ -15,6 +15,7 @@ from autoshard.ir import ops
 from autoshard.runtime import collectives as C
 from autoshard.runtime import losses as L
 from autoshard.runtime.chunked_loss import ChunkedLinearCrossEntropy
+from autoshard.runtime.recompute import checkpoint_regions
 
 
 def _redistribute(op, comm, x):
@@ -94,4 +95,4 @@ def bind(gm: fx.GraphModule, comms: dict) -> fx.GraphModule:
         root.add_module(node.target, BoundOp(op, comms[op.axis]))
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # the program keeps its own graph, untouched
-    return fx.GraphModule(root, graph)
+    return checkpoint_regions(fx.GraphModule(root, graph))   # the recompute plan's regions, if any

@@ -1,0 +1,71 @@
+"""Activation recompute: each transformer layer keeps only its input for backward, and runs again then.
+
+Activations, not weights, fill a GPU when training a long sequence: each layer keeps its attention and
+MLP intermediates until backward. Megatron's full recompute (and HF's ``gradient_checkpointing_enable``)
+keeps a layer's input instead and recomputes the layer's forward inside backward: about a third more
+compute for a fraction of the activation memory.
+
+HF models check their flag in Python, and export traces straight through ``torch.utils.checkpoint``, so
+the flag does not survive capture. This pass puts it back: ``parallelize(recompute=True)``, or
+``"auto"`` (the default) when the model says ``is_gradient_checkpointing``.
+
+The regions come from the graph, with the same analysis as pipeline stage cuts
+(``pipeline_split.candidates``): a stretch of the rank's graph between two points where only the
+residual stream is live. Consecutive stretches of one layer (an attention and its MLP) form one region;
+the embedding, the final norm and the LM head with its loss are never recomputed (the chunked loss
+already computes its gradient in forward). Each node of a region is tagged with ``RECOMPUTE``; the
+runtime (``runtime/recompute.py``) runs each region under ``torch.utils.checkpoint`` (non-reentrant,
+the RNG state restored, so dropout draws the same mask again). A region's collectives run again in its
+recompute, in the same order on every rank of their group, as in Megatron.
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autoshard.ir.meta import RECOMPUTE, RECOMPUTE_PLAN
+from autoshard.ir.recompute import RecomputePlan, RecomputeRegion
+from autoshard.passes.pipeline_split import activations, candidates, layer_of, layer_prefix
+
+
+def _stretches(gm: fx.GraphModule) -> list[tuple[int, int, set]]:
+    """``(first, last, layers)`` per stretch between consecutive residual-only cut points."""
+    nodes = list(gm.graph.nodes)
+    cuts = candidates(gm, activations(gm))
+    prefix = layer_prefix(gm)
+    out, start = [], 0
+    for end in [c.position for c in cuts] + [len(nodes) - 1]:
+        layers = {layer_of(n, prefix) for n in nodes[start:end + 1]} - {None}
+        out.append((start, end, layers))
+        start = end + 1
+    return out
+
+
+def plan_regions(gm: fx.GraphModule) -> list[RecomputeRegion]:
+    """One region per layer: the longest run of consecutive stretches that all belong to that layer alone."""
+    nodes = list(gm.graph.nodes)
+    regions: list[RecomputeRegion] = []
+    for first, last, layers in _stretches(gm):
+        if len(layers) != 1:
+            continue            # the embedding, the head, or a stretch across two layers: not recomputed
+        (layer,) = layers
+        if regions and regions[-1].layer == layer and regions[-1].last_index + 1 == first:
+            prev = regions[-1]
+            regions[-1] = RecomputeRegion(layer, prev.first, nodes[last].name, prev.first_index, last)
+        else:
+            regions.append(RecomputeRegion(layer, nodes[first].name, nodes[last].name, first, last))
+    return regions
+
+
+def recompute_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
+    if not ctx.options.recompute:
+        return gm
+    nodes = list(gm.graph.nodes)
+    regions = plan_regions(gm)
+    for index, region in enumerate(regions):
+        for n in nodes[region.first_index:region.last_index + 1]:
+            if n.op not in ("placeholder", "output"):
+                RECOMPUTE.set(n, index)
+    reason = "" if regions else ("no layer was found between two points where only the residual stream is "
+                                 "live: nothing is recomputed")
+    gm.meta[RECOMPUTE_PLAN] = RecomputePlan(tuple(regions), reason)
+    return gm
