@@ -66,3 +66,12 @@ def test_pipeline_and_data_parallel_bench_smoke(tmp_path):
     dp_bench.main(["--dp", "2", "--steps", "1", "--warmup", "0", "--layers", "2", "--hidden", "32", "--seq", "8",
                    "--batch", "2", "--vocab", "64", "--out", str(tmp_path)])
     assert (tmp_path / "dp_results.md").read_text().count("| 2 |") == 1
+
+
+def test_recompute_bench_smoke(tmp_path):
+    """``python -m benchmarks.recompute`` at a tiny size: equal losses, and less memory with recompute."""
+    from benchmarks import recompute
+    r = recompute.main(["--layers", "4", "--hidden", "64", "--seq", "64", "--batch", "2", "--vocab", "64",
+                        "--reps", "1", "--out", str(tmp_path)])
+    assert r["memory"]["recompute"] < r["memory"]["plain"], r["memory"]
+    assert (tmp_path / "recompute_results.md").exists()
