@@ -26,7 +26,7 @@ def closed_form(schedule: Schedule) -> float:
 def simulated(prog):
     plan, sched = prog.plan, prog.schedule
     return simulate(sched, Costs(tuple(c.forward_seconds for c in plan.costs),
-                                 tuple(2 * c.forward_seconds for c in plan.costs),
+                                 tuple(c.backward_seconds for c in plan.costs),
                                  tuple(c.activation_bytes for c in plan.costs)))
 
 

@@ -162,13 +162,27 @@ class Segments:
     params: list              # set of (name, bytes) per stretch
     activation_bytes: list
     layers: list              # set of layer indices per stretch
+    recompute: list = None    # forward seconds each stretch's backward runs again (activation recompute)
 
     def chunk(self, i: int, j: int, tp: int) -> StageCost:
         params = set().union(*self.params[i:j])
         pbytes = sum(b // (tp if nd >= 2 else 1) for _, b, nd in params) * ADAM_BYTES_PER_PARAM_BYTE
         layers = sorted(set().union(*self.layers[i:j]))
         return StageCost(sum(self.seconds[i:j]), sum(self.flops[i:j]), pbytes,
-                         sum(self.activation_bytes[i:j]), tuple(layers))
+                         sum(self.activation_bytes[i:j]), tuple(layers), sum((self.recompute or [])[i:j]))
+
+    def with_recompute(self, cands: list) -> "Segments":
+        """As ``passes/recompute.py`` will run it: a stretch inside one layer keeps only the input of its
+        layer's first stretch, and its backward runs its forward again."""
+        seg = Segments(list(self.seconds), list(self.flops), self.params, list(self.activation_bytes),
+                       self.layers, [0.0] * len(self.seconds))
+        for k, layers in enumerate(self.layers):
+            if len(layers) != 1:
+                continue
+            starts = k == 0 or self.layers[k - 1] != layers
+            seg.activation_bytes[k] = _nbytes(val(cands[k - 1].boundary)) if starts and k > 0 else 0
+            seg.recompute[k] = self.seconds[k]
+        return seg
 
 
 def price(gm: fx.GraphModule, act: set, cands: list, cm, prefix) -> Segments:
@@ -227,7 +241,8 @@ def balance(seg: Segments, stages: int, pp: int, in_flight: dict, v: int, tp: in
                 c = costs.get((i, j)) or costs.setdefault((i, j), seg.chunk(i, j, tp))
                 if not _fits(c, flight, share):
                     continue
-                t = c.forward_seconds + (send[j] if j < n else 0.0)
+                # forward + backward is 3 forwards, and a recompute one more: priced in forwards
+                t = c.forward_seconds + c.recompute_seconds / 3 + (send[j] if j < n else 0.0)
                 option = (max(best[k - 1][i][0], t), best[k - 1][i][1] + t * t)
                 if option < best[k][j]:
                     best[k][j], back[k][j] = option, i
@@ -282,7 +297,8 @@ def predict(seg: Segments, cuts: list, schedule, tp: int, cm, cands: list):
     edges = [0] + list(cuts) + [len(seg.seconds)]
     costs = [seg.chunk(a, b, tp) for a, b in zip(edges, edges[1:])]
     sim = simulate(add_communication(schedule),
-                   Costs(tuple(c.forward_seconds for c in costs), tuple(2 * c.forward_seconds for c in costs),
+                   Costs(tuple(c.forward_seconds for c in costs),
+                         tuple(c.backward_seconds for c in costs),
                          tuple(c.activation_bytes for c in costs),
                          cm.p2p_latency + boundary_bytes / cm.p2p_bandwidth))
     peak = {r: sim.peak_activation_bytes[r] + sum(costs[s].param_bytes for s in schedule.stages_of(r))
@@ -304,6 +320,8 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     prefix = layer_prefix(gm)
     count = len({layer_of(n, prefix) for n in gm.graph.nodes} - {None})
     seg = price(gm, act, cands, cm, prefix)
+    if ctx.options.recompute is True:
+        seg = seg.with_recompute(cands)
     if opts.stretches is not None:       # another program's cuts (the eval program takes its training one's)
         if len(opts.stretches) != stages - 1 or not all(0 < c < len(seg.seconds) for c in opts.stretches):
             raise PipelineSplitError(f"this program offers {len(cands)} cut points, and cannot be cut where its "

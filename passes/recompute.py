@@ -57,7 +57,7 @@ def plan_regions(gm: fx.GraphModule) -> list[RecomputeRegion]:
 
 
 def recompute_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    if not ctx.options.recompute:
+    if ctx.options.recompute is not True:      # False, or "auto" that no model resolved (run_passes alone)
         return gm
     nodes = list(gm.graph.nodes)
     regions = plan_regions(gm)

@@ -166,3 +166,19 @@ def test_each_rank_materialises_only_its_stages_also_from_meta():
             pm(*args)
     assert held[0] | held[1] == names and not held[0] & held[1]
     assert set(pm.state_dict()) >= held[1]        # the model's own names
+
+
+def test_recompute_is_priced_in_the_stage_plan():
+    """With activation recompute a layer keeps only its input: the balancer sees less activation memory
+    and one more forward per layer in backward (the dump's predictions and memory_limit follow)."""
+    model = build("gpt", n_layer=4)
+    args = batch("gpt", 96, B=4)
+    plans = {}
+    for recompute in (False, True):
+        options = CompileOptions(pipeline=PipelineOptions(microbatches=2), recompute=recompute)
+        plans[recompute] = autoshard.compile_pipeline(model, {"pp": 2}, 0, *args, options).plan
+    plain, again = plans[False], plans[True]
+    assert sum(c.activation_bytes for c in again.costs) < 0.5 * sum(c.activation_bytes for c in plain.costs)
+    assert all(c.recompute_seconds == 0 for c in plain.costs)
+    assert all(0 < c.recompute_seconds < c.forward_seconds for c in again.costs)   # layers, not the head
+    assert again.predicted_step > plain.predicted_step

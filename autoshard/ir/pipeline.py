@@ -27,6 +27,12 @@ class StageCost:
     param_bytes: int          # parameters, gradients and AdamW state this stage holds (fp32)
     activation_bytes: int     # what one microbatch's forward keeps for its backward
     layers: tuple = ()        # the layer indices (of the model's repeated block) it holds
+    recompute_seconds: float = 0.0   # the forward its backward runs again (activation recompute)
+
+    @property
+    def backward_seconds(self) -> float:
+        """Twice the forward (the gradients of the inputs and of the weights), and any recompute."""
+        return 2 * self.forward_seconds + self.recompute_seconds
 
 
 @dataclass
