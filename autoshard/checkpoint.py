@@ -5,7 +5,7 @@ names, global shapes), and the optimizer state keyed by parameter *name* (not to
 tensors DTensors with their parameter's placement. DCP records each shard's place in the global
 tensor, so a checkpoint loads on another mesh (another tp, pp or dp size): each rank asks for what it
 now holds and DCP reads and reshards it. Non-tensor facts (the step, the optimizer's hyper-parameters,
-the mesh) go to ``meta.json``, and each rank's RNG state to ``rng/rank<N>.pt`` as a plain tensor, read
+the LR scheduler's state, the mesh) go to ``meta.json``, and each rank's RNG state to ``rng/rank<N>.pt`` as a plain tensor, read
 back with ``weights_only=True``: loading unpickles nothing.
 
 A save is written to ``<path>.partial`` and renamed to ``<path>`` by rank 0 after every rank has
@@ -85,10 +85,30 @@ def _rng_paths(path: str) -> tuple:
     return (os.path.join(path, "rng", f"rank{_rank()}.pt"), os.path.join(path, "rng", f"rank{_rank()}_cuda.pt"))
 
 
-def save(pm, optimizer, path: str, step: int | None = None) -> str:
-    """Write a sharded checkpoint of ``pm`` and ``optimizer`` (may be None) to ``path``; every rank calls
-    it. Returns the path."""
+def _plain(value, where: str):
+    """``value`` if JSON holds it as it is (numbers, strings, lists, dicts with string keys), else a clear
+    error naming the entry: the checkpoint stores no pickles."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {k: _plain(v, f"{where}.{k}") for k, v in value.items()}
+    raise TypeError(f"{where} is a {type(value).__name__}, which an autoshard checkpoint does not store (it holds "
+                    "no pickles): give the scheduler plain numbers, or save it yourself")
+
+
+def _scheduler_meta(scheduler) -> dict | None:
+    if scheduler is None:
+        return None
+    return {"class": type(scheduler).__name__, "state": _plain(scheduler.state_dict(), "scheduler.state_dict()")}
+
+
+def save(pm, optimizer, path: str, step: int | None = None, scheduler=None) -> str:
+    """Write a sharded checkpoint of ``pm``, ``optimizer`` (may be None) and an LR ``scheduler`` (optional)
+    to ``path``; every rank calls it. Returns the path."""
     path = os.path.normpath(path)      # "ckpt/" and "ckpt" are one checkpoint (and tmp is its sibling)
+    schedule = _scheduler_meta(scheduler)   # before any file is written: an unstorable one is refused first
     tmp = f"{path}.partial"
     if _rank() == 0 and os.path.exists(tmp):
         shutil.rmtree(tmp)
@@ -107,7 +127,7 @@ def save(pm, optimizer, path: str, step: int | None = None) -> str:
         prog = pm.program
         meta = {"format": FORMAT, "step": step, "mesh": {a: prog.mesh.axis_size(a) for a in ("dp", "pp", "tp")},
                 "optimizer": type(getattr(optimizer, "inner", optimizer)).__name__ if optimizer is not None else None,
-                "param_groups": _hyper(optimizer) if optimizer is not None else []}
+                "param_groups": _hyper(optimizer) if optimizer is not None else [], "scheduler": schedule}
         with open(os.path.join(tmp, "meta.json"), "w") as f:   # last: its presence marks a whole checkpoint
             json.dump(meta, f, indent=1)
         if os.path.exists(path):
@@ -117,9 +137,10 @@ def save(pm, optimizer, path: str, step: int | None = None) -> str:
     return path
 
 
-def load(pm, optimizer, path: str) -> int | None:
-    """Load a checkpoint written by ``save`` (on this mesh or another) into ``pm`` and ``optimizer``;
-    every rank calls it. Returns the saved step."""
+def load(pm, optimizer, path: str, scheduler=None) -> int | None:
+    """Load a checkpoint written by ``save`` (on this mesh or another) into ``pm``, ``optimizer`` and the
+    LR ``scheduler`` (optional; build it on ``optimizer`` first, as for the run that saved); every rank
+    calls it. Returns the saved step."""
     path = os.path.normpath(path)
     meta_path = os.path.join(path, "meta.json")
     if not os.path.exists(meta_path):
@@ -137,6 +158,11 @@ def load(pm, optimizer, path: str) -> int | None:
         if saved_class != want:
             raise ValueError(f"{path} holds {saved_class} state, not {want}: load it into a {saved_class}, or "
                              "pass optimizer=None to load the model alone")
+    saved_schedule = meta.get("scheduler")
+    if scheduler is not None and (saved_schedule or {}).get("class") != type(scheduler).__name__:
+        raise ValueError(f"{path} holds " + (f"a {saved_schedule['class']} scheduler" if saved_schedule else
+                                             "no LR scheduler (autoshard.save(..., scheduler=None))")
+                         + f", not a {type(scheduler).__name__}: pass the scheduler the run saved, or scheduler=None")
     state = {"model": pm.state_dict()}
     if optimizer is not None:
         _init_state(pm, optimizer)
@@ -161,6 +187,8 @@ def load(pm, optimizer, path: str) -> int | None:
                         value.copy_(loaded)
         for g, saved in zip(inner.param_groups, meta.get("param_groups", [])):
             g.update({k: tuple(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()})
+    if scheduler is not None:
+        scheduler.load_state_dict(saved_schedule["state"])
     cpu_rng, cuda_rng = _rng_paths(path)
     if os.path.exists(cpu_rng) and meta.get("mesh") == {a: pm.program.mesh.axis_size(a) for a in ("dp", "pp", "tp")}:
         torch.set_rng_state(torch.load(cpu_rng, weights_only=True))

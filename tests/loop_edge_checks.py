@@ -72,14 +72,17 @@ def zero_groups_scheduler_frozen_and_checkpoint(rank, world, path):
     want_losses, want_state = _reference_run(model, 2, lam)
     full = pm.full_state_dict()
     worst = max(float((full[k] - v).abs().max() / v.abs().max().clamp(min=1e-12)) for k, v in want_state.items())
-    autoshard.save(pm, opt, path + "/", step=2)
+    autoshard.save(pm, opt, path + "/", step=2, scheduler=sched)
     straight = float(pm.step(*autoshard.local_batch((_global(2), {}), mesh)[0]))
     opt.step()
+    sched.step()
     after = pm.full_state_dict()
     pm2, opt2 = make()
-    start = autoshard.load(pm2, opt2, path + "/")
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lam)        # built as the saving run built it
+    start = autoshard.load(pm2, opt2, path + "/", scheduler=sched2)
     resumed = float(pm2.step(*autoshard.local_batch((_global(2), {}), mesh)[0]))
     opt2.step()
+    sched2.step()
     after2 = pm2.full_state_dict()
     # an epoch's short last batch (4 rows, not 8): pm.step compiles a program for it on first use
     short, _ = batch("gpt", VOCAB, B=4, seed=99)
@@ -93,7 +96,8 @@ def zero_groups_scheduler_frozen_and_checkpoint(rank, world, path):
                 short_eval=short_eval,
                 losses=losses, want_losses=want_losses, worst=worst, start=start, straight=straight,
                 resumed=resumed, same=all(torch.equal(after[k], after2[k]) for k in after),
-                lr=[g["lr"] for g in opt.param_groups], want_lr=[1e-2 * lam(2)] * 2,
+                lr=[g["lr"] for g in opt.param_groups], want_lr=[1e-2 * lam(3)] * 2,
+                resumed_lr=[g["lr"] for g in opt2.param_groups], resumed_epoch=sched2.last_epoch,
                 wpe_same=torch.equal(after["transformer.wpe.weight"], model.transformer.wpe.weight))
 
 

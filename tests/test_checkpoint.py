@@ -17,3 +17,36 @@ def test_resume_reshard_and_refuse_partial(tmp_path):
         assert z["same_params"]                                  # and parameters
         assert all(abs(a - b) < 1e-5 * abs(b) for a, b in zip(z["other"], z["straight"][2:4]))
         assert r["refused"] and "not a complete autoshard checkpoint" in r["refused"]
+
+
+def test_lr_scheduler_state_is_saved_as_plain_json_and_checked_on_load(tmp_path):
+    """One process, tp=1: the scheduler resumes where it was; another scheduler class, or state JSON
+    cannot hold, is a clear error (the checkpoint stores no pickles)."""
+    import pytest
+    import torch
+
+    import autoshard
+    from autoshard.checkpoint import _plain
+    from autoshard.ir.mesh import MeshSpec
+    from autoshard.runtime.module import ParallelModule
+    from tests.models import batch, build
+
+    model = build("gpt", vocab_size=96, n_layer=1)
+    args, kwargs = batch("gpt", 96)
+
+    def make():
+        pm = ParallelModule(autoshard.compile_rank(model, MeshSpec(tp=1), 0, args, kwargs), model)
+        opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+        return pm, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    pm, opt, sched = make()
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    autoshard.save(pm, opt, str(tmp_path / "ckpt"), step=3, scheduler=sched)
+    pm2, opt2, sched2 = make()
+    assert autoshard.load(pm2, opt2, str(tmp_path / "ckpt"), scheduler=sched2) == 3
+    assert sched2.last_epoch == 3 and sched2.get_last_lr() == sched.get_last_lr() == [0.05]
+    with pytest.raises(ValueError, match="holds a StepLR scheduler, not a LambdaLR"):
+        autoshard.load(pm2, opt2, str(tmp_path / "ckpt"), scheduler=torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1))
+    with pytest.raises(TypeError, match=r"scheduler\.fn is a function"):
+        _plain({"fn": lambda s: s}, "scheduler")

@@ -13,6 +13,7 @@ def test_training_loop_edges_match_single_device(tmp_path):
         assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(z["losses"], z["want_losses"])), z
         assert z["worst"] < 1e-4, z                           # parameters after 2 scheduled AdamW steps
         assert z["lr"] == z["want_lr"] and z["start"] == 2
+        assert z["resumed_lr"] == z["lr"] and z["resumed_epoch"] == 3    # the LR scheduler resumed too
         assert z["resumed"] == z["straight"] and z["same"]     # bit-identical after the load
         assert z["wpe_same"]                                   # frozen: never stepped, never saved state
         assert abs(z["short_loss"] - z["want_short"]) <= 1e-5 * abs(z["want_short"]) and z["steppers"] == 2, z
