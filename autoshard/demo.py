@@ -47,6 +47,8 @@ def main(argv=None):
     ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1], help="1: ZeRO-1 over dp")
     ap.add_argument("--save", default=None, help="write a checkpoint here halfway (autoshard.save)")
+    ap.add_argument("--recompute", action="store_true", help="recompute each layer in backward (activation "
+                    "checkpointing): less memory, one more forward")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -76,7 +78,7 @@ def main(argv=None):
     extra = dict(microbatches=args.microbatches, schedule=args.schedule, virtual_stages=args.virtual_stages,
                  zero=args.zero) if pipelined else {}
     pm = autoshard.parallelize(model, mesh, example_args=autoshard.local_batch((x, y), mesh), loss_only=True,
-                               dump=args.dump, **extra)
+                               dump=args.dump, recompute=args.recompute, **extra)
     compile_s = time.perf_counter() - start
     opt = pm.optimizer(torch.optim.AdamW, lr=3e-3) if pipelined else torch.optim.AdamW(pm.parameters(), lr=3e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3) if ref is not None else None
