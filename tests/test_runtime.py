@@ -77,6 +77,21 @@ def _runtime(rank, world):
     except RuntimeError as e:
         out["other plan"] = str(e)
 
+    # a data-loader slip (each rank of one replica given other rows) is an error on every rank, not a wrong loss
+    theirs = batch("gpt", 96, seed=2)[0] if rank == 1 else args
+    for name, make, call in (
+            ("tp batch", lambda: autoshard.parallelize(build("gpt"), mesh, example_args=args), lambda m: m(*theirs)),
+            ("pp batch", lambda: autoshard.parallelize(build("gpt", n_layer=2), autoshard.init_mesh(pp=world),
+                                                       example_args=(torch.cat([args[0]] * 2),
+                                                                     torch.cat([args[1]] * 2)), microbatches=2),
+             lambda m: m.step(torch.cat([theirs[0]] * 2), torch.cat([theirs[1]] * 2)))):
+        try:
+            call(make())
+            out[name] = None
+        except RuntimeError as e:
+            out[name] = str(e)
+    out["data_parallel_rank"] = autoshard.data_parallel_rank(mesh)
+
     # a mesh that does not cover the world fails before any collective
     try:
         autoshard.init_mesh(tp=4)
@@ -99,6 +114,9 @@ def test_runtime_features():
         assert "world has 2" in out["mesh mismatch"] and "tp=4" in out["mesh mismatch"]
         assert "weights differ between tensor-parallel ranks" in out["unseeded"], out["unseeded"]
         assert "compiled different plans" in out["other plan"], out["other plan"]
+        assert "tp ranks were given different batches" in out["tp batch"], out["tp batch"]
+        assert "pp ranks were given different batches" in out["pp batch"], out["pp batch"]
+        assert "data_parallel_rank" in out["tp batch"] and out["data_parallel_rank"] == (0, 1)
 
 
 def _hang(rank, world):

@@ -161,8 +161,9 @@ class GradReducer:
 
 
 def local_batch(batch, mesh):
-    """This dp rank's rows (dim 0) of a global batch: tensors are cut into ``dp`` equal slices, in rank
-    order, as ``DistributedSampler`` would hand them out; other values pass through."""
+    """This dp rank's rows (dim 0) of a global batch: tensors are cut into ``dp`` equal contiguous slices,
+    in dp-rank order; other values pass through. Every tp and pp rank of one replica gets the same rows.
+    (With a ``DataLoader``, build its ``DistributedSampler`` from ``autoshard.data_parallel_rank``.)"""
     import torch.distributed as dist
 
     from autoshard.mesh import mesh_spec

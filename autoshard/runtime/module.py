@@ -22,6 +22,7 @@ from autoshard.ir import meta as M
 from autoshard.ir.options import check_replicas_every
 from autoshard.ir.program import Program
 from autoshard.runtime import training
+from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch
 from autoshard.runtime.bind import bind
 from autoshard.runtime.comm import AxisComm
 from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
@@ -75,6 +76,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self._compiler, self.max_programs = compiler, max_programs
         self._programs = ProgramCache(max_programs, "program")   # ProgramKey -> (Program, bound graph, constants)
         self.compile_log = []              # (ProgramKey, seconds) per program compiled after the first
+        self._batch_checks = {}              # ProgramKey -> calls whose batch was checked across tp ranks
         self._steps = 0
         self._step_compiler = step_compiler
         self.bucket_bytes = DEFAULT_BUCKET_BYTES   # dp gradient buckets of pm.step (DDP's bucket_cap_mb)
@@ -181,6 +183,10 @@ class ParallelModule(training.TrainingMethods, nn.Module):
                                "replica's gradients unsynchronised. pm.eval() forwards are fine")
         leaves, spec = pytree.tree_flatten((args, kwargs))
         program, graph, constants = self._program_for(leaves, spec)
+        key = program_key(self.training, leaves, spec)
+        if self._batch_checks.get(key, 0) < CHECKED_CALLS:   # every tp rank given the same batch
+            self._batch_checks[key] = self._batch_checks.get(key, 0) + 1
+            check_same_batch(self.comms, leaves, "pm(...)")
         user = [leaves[i] for i in program.captured.input_leaves]  # the leaves the graph reads (tensors)
         buffers = [constants[b] if b in constants else self._buffer(b) for b in program.captured.buffer_names]
         flat = graph(*self.params.local_inputs(program.params), *buffers, *user)

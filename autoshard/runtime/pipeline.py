@@ -27,6 +27,7 @@ from autoshard.ir.pipeline import PipelineProgram
 from autoshard.ir.schedule import Kind
 from autoshard.ir.simulator import Timeline
 from autoshard.runtime import training
+from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch
 from autoshard.runtime.bind import bind
 from autoshard.runtime.comm import AxisComm
 from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer
@@ -92,6 +93,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         self.first_bucket_bytes = None             # None: 1 MiB on CUDA, as the others on CPU (data_parallel.py)
         self.post_receives_early = None      # every receive posted at the step's start: None = on gloo only
         self.max_programs = 8                # twins kept (other batch shapes, eval mode): parallelize(max_programs=)
+        self._batch_checks = 0               # calls whose batch was checked to be the same on tp and pp ranks
         # count the bytes each microbatch's forward saves for backward (a saved_tensors_hooks callback per
         # saved tensor, a few percent of a step on CPU): on when dumping, or set it for a benchmark
         self.measure_memory = self._dump is not None
@@ -173,6 +175,9 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         if spec != captured.in_spec:
             raise TypeError(f"{what} got inputs of structure {spec}, but the pipeline was compiled for "
                             f"{captured.in_spec}: pass the same arguments (by the same keywords) as the example")
+        if self._batch_checks < CHECKED_CALLS:      # tp and pp ranks given one batch (a data-loader slip)
+            self._batch_checks += 1
+            check_same_batch(self.comms, leaves, what)
         micro = split_batch(leaves, self.schedule.microbatches, captured.example_leaves)
         return [dict(zip(captured.user_input_names, (mb[i] for i in captured.input_leaves))) for mb in micro]
 

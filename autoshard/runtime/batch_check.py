@@ -1,0 +1,62 @@
+"""Every rank of a tensor-parallel and of a pipeline group must be given the same batch.
+
+The tp ranks compute one model on one batch between them, and a pipeline's first stage reads the
+inputs while its last reads the labels, so a batch that differs between them gives wrong losses and
+gradients with no error: the classic cause is a ``DistributedSampler`` built over the whole world
+(``num_replicas=world_size``) instead of over the data-parallel replicas. Megatron avoids it by
+broadcasting the batch from tp rank 0; autoshard keeps the user's loop and checks instead: on the first
+``CHECKED_CALLS`` calls of each program it all-gathers a fingerprint of the batch over tp and over pp
+(two sums per tensor, one of them position-weighted, in float64) and raises on every rank if they
+differ, before any collective of the step can pair the ranks wrongly. Only dp ranks may differ: that is
+how each replica gets its own rows (``autoshard.local_batch``, ``autoshard.data_parallel_rank``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+CHECKED_CALLS = 2            # the first calls of each program: a mistake in a data loader shows at once
+
+
+def fingerprint(leaves: list) -> torch.Tensor:
+    """Per tensor leaf: its element count, its sum and a position-weighted sum (float64)."""
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    out = []
+    for x in tensors:
+        flat = x.detach().reshape(-1).to(torch.float64)
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device).remainder_(1009).add_(1)
+        out.append(torch.stack([torch.tensor(float(flat.numel()), dtype=torch.float64, device=flat.device),
+                                flat.sum(), (flat * weights).sum()]))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64, device=device)
+
+
+def check_same_batch(comms: dict, leaves: list, where: str) -> None:
+    """Raise (on every rank of the group) if the tp or pp ranks were given different batches."""
+    mine = None
+    for axis in ("tp", "pp"):
+        comm = comms.get(axis)
+        group = getattr(comm, "group", None)
+        if comm is None or comm.size == 1 or group is None:
+            continue                    # one rank, or the in-process simulator's threads
+        if mine is None:
+            mine = fingerprint(leaves)
+        every = [torch.empty_like(mine) for _ in range(comm.size)]
+        dist.all_gather(every, mine, group=group)
+        differ = [r for r in range(comm.size) if not torch.equal(every[r], every[0])]
+        if differ:
+            raise RuntimeError(
+                f"{where}: the {axis} ranks were given different batches ({axis} rank {differ[0]} differs from "
+                f"{axis} rank 0), but every rank of a {axis} group must pass the same batch (only dp replicas "
+                "take different rows). A DistributedSampler over the whole world does this: build it with "
+                "num_replicas and rank from autoshard.data_parallel_rank(mesh), or cut a global batch with "
+                "autoshard.local_batch(batch, mesh)")
+
+
+def data_parallel_rank(mesh) -> tuple[int, int]:
+    """``(rank, size)`` of this process among the data-parallel replicas: what ``DistributedSampler``'s
+    ``rank`` and ``num_replicas`` must be (not the global rank and world size, which would give the tp and
+    pp ranks of one replica different batches)."""
+    from autoshard.mesh import mesh_spec
+    spec = mesh_spec(mesh)
+    return spec.coords(dist.get_rank() if dist.is_initialized() else 0)["dp"], spec.dp
