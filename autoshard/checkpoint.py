@@ -85,17 +85,32 @@ def _rng_paths(path: str) -> tuple:
     return (os.path.join(path, "rng", f"rank{_rank()}.pt"), os.path.join(path, "rng", f"rank{_rank()}_cuda.pt"))
 
 
+_PAIRS = "__pairs__"     # a dict whose keys are not all strings (MultiStepLR's milestones), as key-value pairs
+
+
 def _plain(value, where: str):
-    """``value`` if JSON holds it as it is (numbers, strings, lists, dicts with string keys), else a clear
-    error naming the entry: the checkpoint stores no pickles."""
+    """``value`` as JSON holds it (numbers, strings, lists, dicts; a dict with other keys as its pairs),
+    else a clear error naming the entry: the checkpoint stores no pickles."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):
         return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value) and _PAIRS not in value:
         return {k: _plain(v, f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, dict) and all(isinstance(k, (bool, int, float, str)) for k in value):
+        return {_PAIRS: [[k, _plain(v, f"{where}[{k!r}]")] for k, v in value.items()]}
     raise TypeError(f"{where} is a {type(value).__name__}, which an autoshard checkpoint does not store (it holds "
-                    "no pickles): give the scheduler plain numbers, or save it yourself")
+                    "no pickles): save this scheduler's state yourself, or pass scheduler=None")
+
+
+def _restored(value, like):
+    """What ``_plain`` wrote, back: pairs become a dict of ``like``'s type (a ``Counter`` stays one)."""
+    if isinstance(value, dict) and set(value) == {_PAIRS}:
+        kind = type(like) if isinstance(like, dict) else dict
+        return kind({k: v for k, v in value[_PAIRS]})
+    if isinstance(value, dict):
+        return {k: _restored(v, like.get(k) if isinstance(like, dict) else None) for k, v in value.items()}
+    return value
 
 
 def _scheduler_meta(scheduler) -> dict | None:
@@ -188,7 +203,11 @@ def load(pm, optimizer, path: str, scheduler=None) -> int | None:
         for g, saved in zip(inner.param_groups, meta.get("param_groups", [])):
             g.update({k: tuple(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()})
     if scheduler is not None:
-        scheduler.load_state_dict(saved_schedule["state"])
+        scheduler.load_state_dict(_restored(saved_schedule["state"], scheduler.state_dict()))
+        if optimizer is None:    # the schedule's next rate starts from its optimizer's current one
+            for g, saved in zip(scheduler.optimizer.param_groups, meta.get("param_groups", [])):
+                if "lr" in saved:
+                    g["lr"] = saved["lr"]
     cpu_rng, cuda_rng = _rng_paths(path)
     if os.path.exists(cpu_rng) and meta.get("mesh") == {a: pm.program.mesh.axis_size(a) for a in ("dp", "pp", "tp")}:
         torch.set_rng_state(torch.load(cpu_rng, weights_only=True))

@@ -61,6 +61,8 @@ def rewrite_dropout(gm: fx.GraphModule, tp: int) -> list:
                         (out, torch.empty(val.shape, dtype=val.dtype, device="meta"))):
             M.LOCAL_VAL.set(node, v)
             M.REQUIRES_GRAD.set(node, node is out and M.REQUIRES_GRAD.get(n, True))
+            if M.RECOMPUTE.has(n):        # still inside its layer's recompute region
+                M.RECOMPUTE.set(node, M.RECOMPUTE.get(n))
         for key in (M.SPEC, M.LOCAL_SHAPE):
             if key.has(n):
                 key.set(out, key.get(n))

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.passes.canonicalize import _emit
-from autoshard.passes.shapes import shape_of
+from autoshard.passes.shapes import shape_of, writes_in_place
 
 aten = torch.ops.aten
 
@@ -63,9 +63,10 @@ def _slice_write(buffer: fx.Node, view: fx.Node) -> tuple[int, SliceWrite] | Non
     return dim, SliceWrite(view, write, max(0, min(start, full)), max(0, min(end, full)))
 
 
-def _assembly(buffer: fx.Node, order: dict) -> tuple[int, list[SliceWrite], list[fx.Node]] | None:
+def _assembly(buffer: fx.Node, nodes: list, order: dict) -> tuple[int, list[SliceWrite], list[fx.Node]] | None:
     """The slice writes that fill ``buffer`` exactly along one dimension, and the buffer's readers, all
-    after the last write; None when ``buffer`` is used any other way."""
+    after the last write, with nothing else written in place from the first write to the last; None when
+    ``buffer`` is used any other way."""
     writes, readers, dims = [], [], set()
     for u in buffer.users:
         found = _slice_write(buffer, u)
@@ -85,9 +86,12 @@ def _assembly(buffer: fx.Node, order: dict) -> tuple[int, list[SliceWrite], list
         edge = w.end
     if edge != shape_of(buffer)[dim]:
         return None
-    last = max(order[w.write] for w in writes)
+    first, last = min(order[w.write] for w in writes), max(order[w.write] for w in writes)
     if any(order[r] < last for r in readers):
         return None   # something reads the buffer half-written
+    ours = {w.write for w in writes}
+    if any(writes_in_place(n) and n not in ours for n in nodes[first:last + 1]):
+        return None   # a source may change between its copy and the cat, which reads it after the last copy
     return dim, writes, readers
 
 
@@ -108,9 +112,10 @@ def _part(g: fx.Graph, w: SliceWrite, buffer: fx.Node) -> fx.Node:
 
 def fill_slices_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
     g = gm.graph
-    order = {n: i for i, n in enumerate(g.nodes)}
     for buffer in [n for n in g.nodes if n.op == "call_function" and n.target in ALLOCATIONS]:
-        found = _assembly(buffer, order)
+        nodes = list(g.nodes)                  # afresh: an earlier rewrite added nodes (a buffer within a buffer)
+        order = {n: i for i, n in enumerate(nodes)}
+        found = _assembly(buffer, nodes, order)
         if found is None:
             continue
         dim, writes, readers = found

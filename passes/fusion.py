@@ -138,7 +138,8 @@ def _joins(a: tuple, b: tuple) -> tuple | None:
 def partition(gm: fx.GraphModule, eligible, cuts=frozenset()) -> list:
     """Groups of candidate nodes: a node joins its producer's group when their spaces join and the union
     stays convex. A node in ``cuts`` (a pipeline boundary) ends its group: what reads it is on the next
-    stage. Returns lists of nodes in graph order."""
+    stage. Nodes of different recompute regions (``RECOMPUTE``, one per layer) never share a group, so a
+    layer is still recomputed whole. Returns lists of nodes in graph order."""
     group: dict = {}
     members: dict = {}
     space: dict = {}
@@ -147,7 +148,7 @@ def partition(gm: fx.GraphModule, eligible, cuts=frozenset()) -> list:
             continue
         group[n], members[n], space[n] = n, [n], _space(n)
         for p in n.all_input_nodes:
-            if p not in group or p.name in cuts:
+            if p not in group or p.name in cuts or M.RECOMPUTE.get(p, None) != M.RECOMPUTE.get(n, None):
                 continue
             a, b = group[p], group[n]
             joined = _joins(space[a], space[b])
@@ -277,8 +278,13 @@ def fuse_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         report.groups.append(_record(built, name))
         insert_subgm(gm, built.sub, built.ins, built.outs, built.nodes[-1])
         call = next(c for c in gm.graph.nodes if c.op == "call_module" and c.target == name)
+        region = M.RECOMPUTE.get(built.nodes[0], None)
         for item in call.users:           # the getitem that now carries each output
             renamed[built.outs[item.args[1]].name] = item.name
+            if region is not None:
+                M.RECOMPUTE.set(item, region)
+        if region is not None:            # the kernel runs in (and again with) its layer's region
+            M.RECOMPUTE.set(call, region)
         erase_nodes(gm, built.nodes)
         setattr(gm, name, built.module)   # the GraphModule insert_subgm added gives way to the kernels
     if stages is not None:                # a cut at a fused output: the value now has the getitem's name

@@ -90,10 +90,10 @@ PASSES = [
          requires=(M.LOCAL_SHAPE,)),
     Pass("check_local_shapes", check_local_shapes_pass, "run on meta: every local shape as planned",
          requires=(M.LOCAL_SHAPE,), provides=(M.LOCAL_VAL,)),
+    Pass("recompute", recompute_pass, "each layer keeps only its input and runs again in backward "
+         "(plan.md: Activation recompute); before fuse, whose kernels stay within a layer", provides=(M.RECOMPUTE,)),
     Pass("fuse", fuse_pass, "pointwise chains and row reductions as generated Triton kernels (plan.md: Fusion)",
          requires=(M.LOCAL_VAL,)),
-    Pass("recompute", recompute_pass, "each layer keeps only its input and runs again in backward "
-         "(plan.md: Activation recompute)", provides=(M.RECOMPUTE,)),
 ]
 
 

@@ -20,11 +20,14 @@ recompute, in the same order on every rank of their group, as in Megatron.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch.fx as fx
 
 from autoshard.ir.meta import RECOMPUTE, RECOMPUTE_PLAN
 from autoshard.ir.recompute import RecomputePlan, RecomputeRegion
 from autoshard.passes.pipeline_split import activations, candidates, layer_of, layer_prefix
+from autoshard.passes.shapes import module_path, writes_in_place
 
 
 def _stretches(gm: fx.GraphModule) -> list[tuple[int, int, set]]:
@@ -56,16 +59,31 @@ def plan_regions(gm: fx.GraphModule) -> list[RecomputeRegion]:
     return regions
 
 
+def _writer(nodes: list, region: RecomputeRegion) -> fx.Node | None:
+    """A node of the region that writes in place (a buffer's running statistic, a counter): running the
+    region again would write twice, and checkpoint refuses an input changed under it."""
+    return next((n for n in nodes[region.first_index:region.last_index + 1] if writes_in_place(n)), None)
+
+
 def recompute_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if ctx.options.recompute is not True:      # False, or "auto" that no model resolved (run_passes alone)
         return gm
     nodes = list(gm.graph.nodes)
-    regions = plan_regions(gm)
+    regions, skipped = [], []
+    for region in plan_regions(gm):
+        writer = _writer(nodes, region)
+        if writer is None:
+            regions.append(region)
+        else:
+            skipped.append(f"layer {region.layer} is not recomputed: '{module_path(writer)}' writes in place "
+                           f"({writer.target}), which a second run would repeat")
     for index, region in enumerate(regions):
         for n in nodes[region.first_index:region.last_index + 1]:
             if n.op not in ("placeholder", "output"):
                 RECOMPUTE.set(n, index)
     reason = "" if regions else ("no layer was found between two points where only the residual stream is "
-                                 "live: nothing is recomputed")
-    gm.meta[RECOMPUTE_PLAN] = RecomputePlan(tuple(regions), reason)
+                                 "live" if not skipped else "every layer writes in place") + ": nothing is recomputed"
+    plan = gm.meta[RECOMPUTE_PLAN] = RecomputePlan(tuple(regions), reason, tuple(skipped))
+    if not regions or skipped:   # asked for, and (partly) not done: say so where the user looks, not only in plan.md
+        warnings.warn(f"autoshard: recompute was asked for, but {plan.reason or '; '.join(skipped)}", stacklevel=2)
     return gm

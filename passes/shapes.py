@@ -83,3 +83,11 @@ def map_shard_through_view(in_shape, out_shape, dim, blocks, t):
             return None
         return None
     return None
+
+
+def writes_in_place(n) -> bool:
+    """An ATen op that writes into one of its operands (``mul_``, ``copy_``, ``index_put_``), read from
+    its schema (an argument marked ``Tensor(a!)``)."""
+    schema = getattr(n.target, "_schema", None)
+    return n.op == "call_function" and schema is not None and any(
+        a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)

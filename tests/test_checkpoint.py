@@ -50,3 +50,17 @@ def test_lr_scheduler_state_is_saved_as_plain_json_and_checked_on_load(tmp_path)
         autoshard.load(pm2, opt2, str(tmp_path / "ckpt"), scheduler=torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1))
     with pytest.raises(TypeError, match=r"scheduler\.fn is a function"):
         _plain({"fn": lambda s: s}, "scheduler")
+    # MultiStepLR keeps its milestones in a Counter with int keys: stored as pairs, a Counter again
+    pm3, opt3, _ = make()
+    multi = torch.optim.lr_scheduler.MultiStepLR(opt3, milestones=[1, 3], gamma=0.1)
+    for _ in range(2):
+        opt3.step()
+        multi.step()
+    autoshard.save(pm3, opt3, str(tmp_path / "multi"), scheduler=multi)
+    pm4, opt4, _ = make()
+    multi2 = torch.optim.lr_scheduler.MultiStepLR(opt4, milestones=[1, 3], gamma=0.1)
+    autoshard.load(pm4, opt4, str(tmp_path / "multi"), scheduler=multi2)
+    assert multi2.milestones == multi.milestones and type(multi2.milestones) is type(multi.milestones)
+    for _ in range(2):
+        opt3.step(), opt4.step(), multi.step(), multi2.step()
+    assert multi2.get_last_lr() == multi.get_last_lr()

@@ -420,3 +420,31 @@ def test_nan_propagates_through_relu_and_maximum():
     y = torch.tensor([[0.0, 1.0, float("nan"), 2.0]])
     out = compile_group(lambda a, b: (torch.relu(a) + torch.maximum(a, b),), [x, y], "nan")(x, y)[0]
     assert torch.equal(out.isnan(), (torch.relu(x) + torch.maximum(x, y)).isnan())
+
+
+def test_recompute_regions_survive_fusion():
+    """Fused kernels stay within a layer's recompute region, so with fuse on every layer is still
+    recomputed (the kernel runs again in backward), with the same loss and gradients as without."""
+    import copy
+
+    import autoshard
+    from autoshard.ir.mesh import MeshSpec
+    from autoshard.runtime.module import ParallelModule
+    from autoshard.runtime.recompute import Recompute
+    from tests.models import batch, build
+    model = build("gpt", vocab_size=96, n_layer=2, n_embd=32, dropout=0.1).train()
+    args, kwargs = batch("gpt", 96)
+    res = {}
+    for recompute in (False, True):
+        prog = autoshard.compile_rank(model, MeshSpec(tp=1), 0, args, kwargs,
+                                      options=autoshard.CompileOptions(recompute=recompute, fuse=True))
+        assert prog.gm.meta[M.FUSION_REPORT].groups
+        pm = ParallelModule(prog, copy.deepcopy(model))
+        regions = sum(isinstance(m, Recompute) for _, bound, _ in pm._programs.values() for m in bound.modules())
+        torch.manual_seed(3)
+        loss = pm(*args)[1]
+        loss.backward()
+        res[recompute] = (regions, float(loss.detach()), {n: p.grad for n, p in pm.named_parameters()})
+    assert res[False][0] == 0 and res[True][0] == 2
+    assert res[True][1] == res[False][1]
+    assert all(torch.allclose(res[True][2][n], res[False][2][n], rtol=1e-5, atol=1e-6) for n in res[False][2])

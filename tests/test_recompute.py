@@ -98,3 +98,41 @@ def test_a_plain_model_is_not_recomputed_and_the_dump_says_what_is(tmp_path):
     assert "## Activation recompute" in text and "2 regions run again in backward" in text
     with pytest.raises(ValueError, match="recompute='yes'"):
         autoshard.CompileOptions(recompute="yes")
+
+
+class _CountingBlock(torch.nn.Module):
+    """A layer that updates a buffer in place (a call counter, as running statistics do)."""
+    def __init__(self, d):
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return x + torch.relu(self.fc(x))
+
+
+class _Counting(torch.nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(32, d), torch.nn.Linear(d, 32)
+        self.layers = torch.nn.ModuleList(_CountingBlock(d) for _ in range(2))
+
+    def forward(self, idx, tgt):
+        x = self.emb(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), tgt.flatten())
+
+
+def test_a_layer_that_writes_in_place_is_not_recomputed_and_says_so():
+    model = _Counting()
+    idx = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.warns(UserWarning, match="writes in place"):
+        prog = autoshard.compile_rank(model, MeshSpec(tp=1), 0, (idx, idx), {},
+                                      options=autoshard.CompileOptions(recompute=True))
+    plan = prog.gm.meta[M.RECOMPUTE_PLAN]
+    assert not plan.regions and len(plan.skipped) == 2
+    pm = ParallelModule(prog, copy.deepcopy(model))
+    pm(idx, idx).backward()                           # runs, and counts each layer's call once
+    assert [float(v) for k, v in pm.state_dict().items() if k.endswith("calls")] == [1.0, 1.0]

@@ -151,3 +151,19 @@ def test_program_cache_keeps_the_most_recently_used_and_closes_the_rest():
     assert cache.get("b") is None
     with pytest.raises(ValueError, match="max_programs=0"):
         ProgramCache(0, "program")
+    owner = {"max_programs": 3}                 # a module's limit, changed after the cache was made
+    live = ProgramCache(lambda: owner["max_programs"], "program")
+    for k in "abc":
+        live.put(k, k.upper())
+    owner["max_programs"] = 1
+    live.put("d", "D")
+    assert live.values() == ["D"]
+
+
+def test_batch_fingerprint_has_one_size_and_compares_nans():
+    from autoshard.runtime.batch_check import fingerprint
+    a = torch.tensor([[1.0, float("nan")], [3.0, 4.0]])
+    assert torch.equal(fingerprint([a, 2]), fingerprint([a.clone(), 3]))          # NaNs and non-tensors
+    assert fingerprint([a]).shape == fingerprint([a, a, torch.ones(5)]).shape == (6,)
+    assert not torch.equal(fingerprint([a]), fingerprint([a.flip(0)]))            # same sum, other order
+    assert not torch.equal(fingerprint([a.reshape(4)]), fingerprint([a]))         # same values, other shape

@@ -289,6 +289,9 @@ class FillBySlices(nn.Module):
             early = out[..., :6].copy_(k).sum()
         else:
             out[..., :6].copy_(k)
+        if self.how == "mutated":
+            r = r * 1.0
+            k.mul_(3.0)        # after its copy: the cat (after the last copy) would read the new value
         lo = 5 if self.how == "overlap" else 6
         out[..., lo:].copy_(r.double() if self.how == "exact" else r[..., :1] if self.how == "overlap" else r)
         y = self.b(out.transpose(1, 2).reshape(B, S, 32)).pow(2).sum()
@@ -301,9 +304,30 @@ def test_fill_by_slices_becomes_a_cat_and_is_exact():
         assert_same(FillBySlices(), (torch.randn(2, 3, 8),), t)
 
 
-@pytest.mark.parametrize("how", ["overlap", "read early"])
+@pytest.mark.parametrize("how", ["overlap", "read early", "mutated"])
 def test_fill_by_slices_that_is_not_a_cat_stays_refused_at_tp2(how):
     torch.manual_seed(0)
     assert_same(FillBySlices(how), (torch.randn(2, 3, 8),), 1)
     with pytest.raises(NotImplementedError, match=r"writes in place \(aten.copy_.default\)"):
         assert_same(FillBySlices(how), (torch.randn(2, 3, 8),), 2)
+
+
+class NestedFills(nn.Module):
+    """One filled buffer copied into a slice of another (the rewrite of the outer one reads the inner)."""
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 16)
+
+    def forward(self, x):
+        outer = x.new_empty(x.shape[0], 32)
+        inner = x.new_empty(x.shape[0], 16)
+        inner[:, :8].copy_(self.a(x))
+        inner[:, 8:].copy_(self.b(x))
+        outer[:, :16].copy_(inner)
+        outer[:, 16:].copy_(self.c(x))
+        return outer.pow(2).sum()
+
+
+def test_nested_fills_are_both_cats():
+    torch.manual_seed(0)
+    assert_same(NestedFills(), (torch.randn(4, 8),), 2)

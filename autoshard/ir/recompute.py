@@ -26,14 +26,15 @@ class RecomputeRegion:
 class RecomputePlan:
     regions: tuple
     reason: str = ""          # why nothing is recomputed, when nothing is
+    skipped: tuple = ()       # why a layer is not recomputed (one line each)
 
     def lines(self) -> list:
         """The ``plan.md`` section."""
         L = ["## Activation recompute", ""]
         if not self.regions:
-            return L + [f"- none: {self.reason}", ""]
+            return L + [f"- none: {self.reason}"] + [f"- {s}" for s in self.skipped] + [""]
         L += [f"{len(self.regions)} regions run again in backward (each keeps only its input); the embedding and "
               "the head with its loss are not recomputed.", "",
               "| region | layer | first node | last node | nodes |", "|---|---|---|---|---|"]
         L += [f"| {i} | {r.layer} | {r.first} | {r.last} | {r.nodes} |" for i, r in enumerate(self.regions)]
-        return L + [""]
+        return L + [""] + [f"- {s}" for s in self.skipped] + ([""] if self.skipped else [])

@@ -6,7 +6,7 @@ gradients with no error: the classic cause is a ``DistributedSampler`` built ove
 (``num_replicas=world_size``) instead of over the data-parallel replicas. Megatron avoids it by
 broadcasting the batch from tp rank 0; autoshard keeps the user's loop and checks instead: on the first
 ``CHECKED_CALLS`` calls of each program it all-gathers a fingerprint of the batch over tp and over pp
-(two sums per tensor, one of them position-weighted, in float64) and raises on every rank if they
+(sizes, sums and a position-weighted sum, in float64) and raises on every rank if they
 differ, before any collective of the step can pair the ranks wrongly. Only dp ranks may differ: that is
 how each replica gets its own rows (``autoshard.local_batch``, ``autoshard.data_parallel_rank``).
 """
@@ -19,16 +19,25 @@ CHECKED_CALLS = 2            # the first calls of each program: a mistake in a d
 
 
 def fingerprint(leaves: list) -> torch.Tensor:
-    """Per tensor leaf: its element count, its sum and a position-weighted sum (float64)."""
+    """Six float64 numbers, whatever the batch (so every rank all-gathers the same size even when their
+    batches have different structures): the count of tensors, their shapes (a checksum of the sizes), and
+    over all elements their count, sum, position-weighted sum and NaN count (NaNs are summed as 0, so a
+    NaN in a batch is compared, not an error)."""
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
-    out = []
-    for x in tensors:
-        flat = x.detach().reshape(-1).to(torch.float64)
-        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device).remainder_(1009).add_(1)
-        out.append(torch.stack([torch.tensor(float(flat.numel()), dtype=torch.float64, device=flat.device),
-                                flat.sum(), (flat * weights).sum()]))
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64, device=device)
+    stats = torch.zeros(6, dtype=torch.float64, device=device)
+    stats[0] = len(tensors)
+    for i, x in enumerate(tensors):
+        flat = x.detach().reshape(-1).to(device=device, dtype=torch.float64)
+        nan = torch.isnan(flat)
+        flat = flat.masked_fill(nan, 0.0)
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=device).remainder_(1009).add_(1)
+        stats[1] += sum((d + 1) * (j + 2) * (i + 3) for j, d in enumerate(x.shape))
+        stats[2] += flat.numel()
+        stats[3] += flat.sum()
+        stats[4] += (flat * weights).sum() * (i + 1)
+        stats[5] += nan.sum()
+    return stats
 
 
 def check_same_batch(comms: dict, leaves: list, where: str) -> None:

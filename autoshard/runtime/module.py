@@ -74,7 +74,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self._buffer_attr = {}               # buffer name -> its attribute (b0, b1, ...)
         self._check_every = check_replicas_every()
         self._compiler, self.max_programs = compiler, max_programs
-        self._programs = ProgramCache(max_programs, "program")   # ProgramKey -> (Program, bound graph, constants)
+        self._programs = ProgramCache(lambda: self.max_programs, "program")   # key -> (Program, bound graph, constants)
         self.compile_log = []              # (ProgramKey, seconds) per program compiled after the first
         self._batch_checks = {}              # ProgramKey -> calls whose batch was checked across tp ranks
         self._steps = 0
@@ -83,7 +83,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self.first_bucket_bytes = None             # None: 1 MiB on CUDA, as the others on CPU (data_parallel.py)
         self.zero = 0                              # pm.optimizer's default ZeRO stage (parallelize(zero=...))
         self.__dict__["_stepper"] = None     # the last pm.step executor: shares self.params, not a submodule
-        self.__dict__["_steppers"] = ProgramCache(max_programs, "pm.step program", on_drop=lambda s: s.close())
+        self.__dict__["_steppers"] = ProgramCache(lambda: self.max_programs, "pm.step program", on_drop=lambda s: s.close())
         self.train(model.training)
         self._check_ranks_agree(program, model)
         captured = program.captured
@@ -225,11 +225,11 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             stepper.bucket_bytes, stepper.first_bucket_bytes = self.bucket_bytes, self.first_bucket_bytes
             stepper._twin_compiler = (lambda train, a, kw, training, p=pins:
                                       self._step_compiler(a, kw, p, training=training))
-            stepper.max_programs = self.max_programs
             self._steppers.put(key, stepper)
             if len(self._steppers) > 1:
                 log.info("autoshard: compiled a pm.step program for new inputs %s in %.2f s", key.inputs,
                          time.perf_counter() - start)
+        stepper.max_programs = self.max_programs      # its twins (eval mode) follow this module's limit
         self.__dict__["_stepper"] = stepper
         return stepper
 

@@ -252,9 +252,9 @@ class PipelineModule(training.TrainingMethods, nn.Module):
             return self
         key = program_key(training, *pytree.tree_flatten((args, kwargs)))
         if "_twins" not in self.__dict__:
-            self.__dict__["_twins"] = ProgramCache(self.max_programs, "pipeline program", on_drop=lambda t: t.close())
+            self.__dict__["_twins"] = ProgramCache(lambda: self.max_programs, "pipeline program",
+                                                   on_drop=lambda t: t.close())
         twins = self.__dict__["_twins"]
-        twins.limit = self.max_programs
         twin = twins.get(key)
         if twin is None:
             compiler = getattr(self, "_twin_compiler", None)

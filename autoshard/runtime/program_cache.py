@@ -18,14 +18,25 @@ log = logging.getLogger("autoshard")
 V = TypeVar("V")
 
 
-class ProgramCache(Generic[V]):
-    """The ``limit`` most recently used values by key; ``on_drop(value)`` runs on each one dropped."""
+def _checked(limit) -> int:
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise ValueError(f"max_programs={limit!r}: keep at least one program (an int >= 1)")
+    return limit
 
-    def __init__(self, limit: int, what: str, on_drop: Callable[[V], None] | None = None):
-        if not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"max_programs={limit!r}: keep at least one program (an int >= 1)")
-        self.limit, self.what, self._on_drop = limit, what, on_drop
+
+class ProgramCache(Generic[V]):
+    """The ``limit`` most recently used values by key; ``on_drop(value)`` runs on each one dropped.
+    ``limit`` is an int, or a function giving it (the owner's ``max_programs``, which a user may change
+    after building the module)."""
+
+    def __init__(self, limit: int | Callable[[], int], what: str, on_drop: Callable[[V], None] | None = None):
+        self._limit = limit if callable(limit) else _checked(limit)
+        self.what, self._on_drop = what, on_drop
         self._entries: OrderedDict = OrderedDict()
+
+    @property
+    def limit(self) -> int:
+        return _checked(self._limit()) if callable(self._limit) else self._limit
 
     def get(self, key) -> V | None:
         """The value for ``key``, now the most recently used; None if there is none."""
