@@ -14,7 +14,9 @@ the total, so its all-reduce over dp overlaps the first forward. A loss it canno
 weights, a loss computed from several terms, targets computed from a buffer) stays as it is and is
 divided by the number of microbatches (the mean of microbatch means); ``LossRewrite.reason`` says why,
 and ``pipeline.md`` prints it. A ``reduction='sum'`` cross-entropy is already exact: its microbatch
-sums are summed (no count, a denominator of 1).
+sums are summed (no count, a denominator of 1). So is a summed one divided by one number for the whole
+batch, as HF models do when given ``num_items_in_batch`` (which must then count the whole global batch,
+as HF's Trainer counts it across devices).
 """
 from __future__ import annotations
 
@@ -76,6 +78,37 @@ def _count_graph(target: fx.Node, ignore_index: int):
     return fx.GraphModule(torch.nn.Module(), g), inputs
 
 
+def _shared_divisor(loss: fx.Node) -> str | None:
+    """For ``loss = sum_cross_entropy / d`` with ``d`` the same for every microbatch (a number, or computed
+    from 0-dim inputs, buffers and constants alone: HF's ``num_items_in_batch``), what ``d`` is; else None.
+    Such a loss is a sum over the batch scaled by one number, so the microbatches' losses add up."""
+    if loss.target not in (aten.div.Tensor, aten.div.Scalar) or len(loss.args) != 2:
+        return None
+    total, d = loss.args
+    if not (isinstance(total, fx.Node) and getattr(total.target, "overloadpacket", None) is aten.cross_entropy_loss):
+        return None
+    a = cross_entropy_args(total)
+    if a["weight"] is not None or a["reduction"] != SUM:
+        return None
+    if not isinstance(d, fx.Node):
+        return repr(d) if isinstance(d, (int, float)) else None
+    stack, seen, names = [d], set(), []
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            kind, v = M.KIND.get(n, None), n.meta.get("val")
+            if kind == "parameter" or (kind == "input" and not (isinstance(v, torch.Tensor) and v.dim() == 0)):
+                return None       # split over microbatches (an input with a batch dim), or trained
+            names.append(M.NAME.get(n, n.name))
+        elif n.op not in ("call_function", "get_attr"):
+            return None
+        stack.extend(n.all_input_nodes)
+    return ", ".join(f"'{x}'" for x in sorted(names)) or "a constant"
+
+
 def microbatch_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if ctx.options.pipeline is None:
         return gm
@@ -104,8 +137,12 @@ def microbatch_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 rewrite = LossRewrite(True, f"cross-entropy (ignore_index={a['ignore_index']}) as a sum over the "
                                             "microbatch divided by the global batch's count of non-ignored targets",
                                       count, inputs)
+    elif (divisor := _shared_divisor(loss)) is not None:
+        rewrite = LossRewrite(True, f"cross-entropy (reduction='sum') divided by {divisor}, one number for the "
+                                    "whole batch (HF's num_items_in_batch): the microbatches' losses, summed")
     else:
-        rewrite.reason = f"the loss is computed by {loss.target} (only a mean cross_entropy_loss is analysed)"
+        rewrite.reason = (f"the loss is computed by {loss.target} (only a mean cross_entropy_loss, or a summed one "
+                          "divided by one number for the whole batch, is analysed)")
     gm.graph.eliminate_dead_code()
     gm.recompile()
     gm.meta[LOSS_REWRITE] = rewrite

@@ -182,3 +182,31 @@ def test_recompute_is_priced_in_the_stage_plan():
     assert all(c.recompute_seconds == 0 for c in plain.costs)
     assert all(0 < c.recompute_seconds < c.forward_seconds for c in again.costs)   # layers, not the head
     assert again.predicted_step > plain.predicted_step
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_hf_num_items_in_batch_loss_is_summed_over_microbatches(as_tensor):
+    """HF's Trainer passes ``num_items_in_batch``: the model's loss is then a summed cross-entropy divided
+    by that one number, so the microbatches' losses add up (the mean of microbatch means would halve it at
+    m=2). One process, tp=1, two microbatches with uneven ignored targets: the loss and every gradient."""
+    import transformers as T
+    cfg = T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg)
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 128, (4, 8), generator=g), torch.randint(0, 128, (4, 8), generator=g)
+    labels[0, :6] = -100
+    n = int((labels[:, 1:] != -100).sum())
+    kw = dict(input_ids=ids, labels=labels, attention_mask=torch.ones_like(ids), use_cache=False,
+              num_items_in_batch=torch.tensor(n) if as_tensor else n)
+    ref = copy.deepcopy(model)
+    want = ref(**kw).loss
+    want.backward()
+    pm = autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (), kw, microbatches=2)
+    got = pm.step(**kw)
+    assert pm._stepper.program.loss.exact and "num_items_in_batch" in pm._stepper.program.loss.reason
+    assert abs(float(got) - float(want)) <= 1e-6 * abs(float(want))
+    grads = dict(ref.named_parameters())
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-7)
