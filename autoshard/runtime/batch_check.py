@@ -18,25 +18,31 @@ import torch.distributed as dist
 CHECKED_CALLS = 2            # the first calls of each program: a mistake in a data loader shows at once
 
 
+SAMPLE = 1 << 20             # elements of each tensor in the position-weighted sum (a strided sample)
+
+
 def fingerprint(leaves: list) -> torch.Tensor:
     """Six float64 numbers, whatever the batch (so every rank all-gathers the same size even when their
     batches have different structures): the count of tensors, their shapes (a checksum of the sizes), and
-    over all elements their count, sum, position-weighted sum and NaN count (NaNs are summed as 0, so a
-    NaN in a batch is compared, not an error)."""
+    over all elements their count, sum (NaNs as 0, so a NaN in a batch is compared, not an error) and NaN
+    count, and a position-weighted sum over a strided sample of at most ``SAMPLE`` elements per tensor (an
+    ``inputs_embeds`` batch is not copied whole into float64)."""
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
     stats = torch.zeros(6, dtype=torch.float64, device=device)
     stats[0] = len(tensors)
     for i, x in enumerate(tensors):
-        flat = x.detach().reshape(-1).to(device=device, dtype=torch.float64)
-        nan = torch.isnan(flat)
-        flat = flat.masked_fill(nan, 0.0)
-        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=device).remainder_(1009).add_(1)
+        flat = x.detach().reshape(-1).to(device)
         stats[1] += sum((d + 1) * (j + 2) * (i + 3) for j, d in enumerate(x.shape))
         stats[2] += flat.numel()
-        stats[3] += flat.sum()
-        stats[4] += (flat * weights).sum() * (i + 1)
-        stats[5] += nan.sum()
+        if flat.is_floating_point() or flat.is_complex():
+            stats[3] += torch.nansum(flat, dtype=torch.float64).real
+            stats[5] += torch.isnan(flat).sum()
+        elif flat.numel():
+            stats[3] += flat.sum(dtype=torch.float64)
+        sample = flat[::max(1, flat.numel() // SAMPLE)].to(torch.float64).nan_to_num(0.0)
+        weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=device).remainder_(1009).add_(1)
+        stats[4] += (sample * weights).sum() * (i + 1)
     return stats
 
 
