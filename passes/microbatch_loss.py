@@ -20,6 +20,8 @@ as HF's Trainer counts it across devices).
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.fx as fx
 
@@ -146,4 +148,9 @@ def microbatch_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     gm.graph.eliminate_dead_code()
     gm.recompile()
     gm.meta[LOSS_REWRITE] = rewrite
+    pieces = ctx.options.pipeline.microbatches * ctx.mesh.dp
+    if not rewrite.exact and pieces > 1 and ctx.rank == 0:   # said once, where the user looks (not only in the dump)
+        warnings.warn(f"autoshard: pm.step combines this loss as the mean of its {pieces} microbatch losses "
+                      f"(microbatches x dp), which equals the whole batch's loss only when every microbatch "
+                      f"holds as many targets: {rewrite.reason}", stacklevel=2)
     return gm
