@@ -38,17 +38,19 @@ class LossError(ValueError):
 
 
 def loss_node(gm: fx.GraphModule) -> fx.Node:
-    """The one scalar floating output: what ``pm.step`` minimises."""
+    """The scalar floating output ``pm.step`` minimises: the only one, or the one every other scalar output
+    feeds (an HF MoE model returns ``loss`` and the ``aux_loss`` that was added into it)."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     leaves = []
     fx.node.map_arg(out.args[0], leaves.append)
-    scalars = [a for a in leaves if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dim() == 0
-               and a.meta["val"].is_floating_point()]
-    if len(scalars) != 1:
+    scalars = list(dict.fromkeys(a for a in leaves if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+                                 and a.meta["val"].dim() == 0 and a.meta["val"].is_floating_point()))
+    total = [s for s in scalars if all(o is s or _reads(s, o) for o in scalars)]
+    if len(total) != 1:
         raise LossError(f"pm.step runs backward from the model's loss, but the model returns {len(scalars)} scalar "
-                        "outputs: return exactly one loss (for an HF model pass labels=...), or call pm(...) "
-                        "and compute the loss yourself")
-    return scalars[0]
+                        "outputs, none of which is made from all the others: return exactly one loss (for an HF "
+                        "model pass labels=...), or call pm(...) and compute the loss yourself")
+    return total[0]
 
 
 def _count_graph(target: fx.Node, ignore_index: int):
@@ -111,6 +113,65 @@ def _shared_divisor(loss: fx.Node) -> str | None:
     return ", ".join(f"'{x}'" for x in sorted(names)) or "a constant"
 
 
+SCALE_INPUT = "autoshard_loss_scale"
+
+
+def _mean_term(loss: fx.Node) -> fx.Node | None:
+    """In ``loss = a + b`` (HF's MoE loss: ``loss += coef * aux_loss``), the one addend that is a plain mean
+    cross-entropy the other does not read; else None."""
+    if loss.target is not aten.add.Tensor or len(loss.args) != 2 or loss.kwargs.get("alpha", 1) != 1:
+        return None
+    found = []
+    for mine, other in (loss.args, loss.args[::-1]):
+        if not (isinstance(mine, fx.Node) and getattr(mine.target, "overloadpacket", None) is aten.cross_entropy_loss):
+            continue
+        a = cross_entropy_args(mine)
+        if a["weight"] is None and a["reduction"] == MEAN and len(mine.users) == 1 and \
+                not (isinstance(other, fx.Node) and _reads(other, mine)):
+            found.append(mine)
+    return found[0] if len(found) == 1 else None
+
+
+def _reads(n: fx.Node, target: fx.Node) -> bool:
+    stack, seen = [n], set()
+    while stack:
+        x = stack.pop()
+        if x is target:
+            return True
+        if x not in seen:
+            seen.add(x)
+            stack.extend(x.all_input_nodes)
+    return False
+
+
+def _scaled_term(gm: fx.GraphModule, ce: fx.Node, loss: fx.Node) -> LossRewrite:
+    """The mean cross-entropy term as its microbatch sum times a scale input that the runtime sets (see
+    ``LossRewrite.scale_input``); the other terms stay as they are."""
+    a = cross_entropy_args(ce)
+    count, inputs = _count_graph(a["target"], a["ignore_index"])
+    if count is None:
+        return LossRewrite(False, inputs)
+    g = gm.graph
+    first = next(n for n in g.nodes if n.op != "placeholder")
+    with g.inserting_before(first):
+        scale = g.placeholder(SCALE_INPUT)
+    scale.meta["val"] = torch.empty((), dtype=torch.float32, device=ce.meta["val"].device)
+    M.KIND.set(scale, "input")
+    M.NAME.set(scale, SCALE_INPUT)
+    M.REQUIRES_GRAD.set(scale, False)
+    with g.inserting_before(ce.next):    # (inserting_after would put each new node before the last)
+        total = g.call_function(aten.cross_entropy_loss.default,
+                                (a["logits"], a["target"], None, SUM, a["ignore_index"], a["label_smoothing"]))
+        total.meta.update(ce.meta)
+        scaled = g.call_function(aten.mul.Tensor, (total, scale))
+        scaled.meta.update(ce.meta)
+    ce.replace_all_uses_with(scaled)
+    g.erase_node(ce)
+    return LossRewrite(True, f"cross-entropy (ignore_index={a['ignore_index']}) plus other terms ({loss.target}): the "
+                             "cross-entropy as a sum over the global batch's count of non-ignored targets, the other "
+                             "terms as the mean over microbatches (and dp)", count, inputs, SCALE_INPUT)
+
+
 def microbatch_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if ctx.options.pipeline is None:
         return gm
@@ -139,6 +200,8 @@ def microbatch_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 rewrite = LossRewrite(True, f"cross-entropy (ignore_index={a['ignore_index']}) as a sum over the "
                                             "microbatch divided by the global batch's count of non-ignored targets",
                                       count, inputs)
+    elif (term := _mean_term(loss)) is not None:
+        rewrite = _scaled_term(gm, term, loss)
     elif (divisor := _shared_divisor(loss)) is not None:
         rewrite = LossRewrite(True, f"cross-entropy (reduction='sum') divided by {divisor}, one number for the "
                                     "whole batch (HF's num_items_in_batch): the microbatches' losses, summed")

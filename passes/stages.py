@@ -11,7 +11,6 @@ value crossing the cut, and is an error (the split pass only proposes cuts where
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from autoshard.ir import meta as M
@@ -21,13 +20,12 @@ from autoshard.passes.pipeline_split import PipelineSplitError, activations
 
 
 def _output_value(gm: fx.GraphModule) -> fx.Node:
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    leaves = []
-    fx.node.map_arg(out.args[0], leaves.append)
-    scalars = [n for n in leaves if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim() == 0]
-    if len(scalars) != 1:
-        raise PipelineSplitError(f"the last stage must return one loss; the graph returns {len(scalars)} scalars")
-    return scalars[0]
+    """The loss the last stage returns (``microbatch_loss.loss_node``: other scalar outputs feed it)."""
+    from autoshard.passes.microbatch_loss import LossError, loss_node
+    try:
+        return loss_node(gm)
+    except LossError as e:
+        raise PipelineSplitError(f"the last stage must return one loss: {e}") from None
 
 
 def _members(end: fx.Node, start: fx.Node | None, pos: dict, act: set, earliest: int) -> tuple:

@@ -58,11 +58,15 @@ class LossRewrite:
     cross-entropy of a microbatch and ``count`` counts its non-ignored targets; the runtime divides by the
     global count (a summed loss, exact with no ``count``, is divided by nothing). Otherwise the graph
     returns the model's loss and the runtime divides by the number of microbatches (the mean of
-    microbatch means)."""
+    microbatch means). ``scale_input``: a loss of several terms (a mean cross-entropy plus an MoE router's
+    auxiliary loss); the graph's cross-entropy is its microbatch sum times this input, which the runtime
+    sets to (microbatches x dp) / the global count, and the whole loss is then divided by microbatches x
+    dp: the cross-entropy term is exact, the other terms are the mean of their microbatch values."""
     exact: bool
     reason: str
     count: fx.GraphModule | None = None
     count_inputs: list = field(default_factory=list)   # user input names the count graph reads
+    scale_input: str | None = None
 
 
 @dataclass(frozen=True)

@@ -160,8 +160,16 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         if self.program.chunks[-1].index not in self.schedule.stages_of(self.program.pp_rank):
             return None
         loss, dp = self.program.loss, self.comms["dp"]
+        pieces = float(len(micro_users) * dp.size)
         if not loss.exact:
-            return Denominator(torch.tensor(float(len(micro_users) * dp.size), device=device))
+            return Denominator(torch.tensor(pieces, device=device))
+        if loss.scale_input is not None:       # a loss of several terms: its cross-entropy scaled in the graph
+            total = torch.as_tensor(sum(loss.count(*[u[n] for n in loss.count_inputs]) for u in micro_users),
+                                    dtype=torch.float32, device=device).reshape(1).clone()
+            total = dp.all_reduce(total, "count") if dp.size > 1 else total   # needed by the first forward
+            for u in micro_users:
+                u[loss.scale_input] = (pieces / total[0]).to(torch.float32)
+            return Denominator(torch.tensor(pieces, device=device))
         if loss.count is None:                 # a summed loss: the microbatches' and replicas' sums add up
             return Denominator(torch.tensor(1.0, device=device))
         total = torch.as_tensor(sum(loss.count(*[u[n] for n in loss.count_inputs]) for u in micro_users),
