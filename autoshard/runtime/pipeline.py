@@ -163,18 +163,17 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         pieces = float(len(micro_users) * dp.size)
         if not loss.exact:
             return Denominator(torch.tensor(pieces, device=device))
-        if loss.scale_input is not None:       # a loss of several terms: its cross-entropy scaled in the graph
-            total = torch.as_tensor(sum(loss.count(*[u[n] for n in loss.count_inputs]) for u in micro_users),
-                                    dtype=torch.float32, device=device).reshape(1).clone()
-            total = dp.all_reduce(total, "count") if dp.size > 1 else total   # needed by the first forward
-            for u in micro_users:
-                u[loss.scale_input] = (pieces / total[0]).to(torch.float32)
-            return Denominator(torch.tensor(pieces, device=device))
         if loss.count is None:                 # a summed loss: the microbatches' and replicas' sums add up
             return Denominator(torch.tensor(1.0, device=device))
         total = torch.as_tensor(sum(loss.count(*[u[n] for n in loss.count_inputs]) for u in micro_users),
                                 dtype=torch.float32, device=device).reshape(1).clone()
-        return Denominator(total, dp.all_reduce_async(total, "count") if dp.size > 1 else None)
+        counted = Denominator(total, dp.all_reduce_async(total, "count") if dp.size > 1 else None)
+        if loss.scale_input is None:
+            return counted
+        # a loss of several terms: its cross-entropy is scaled in the graph, so the first forward waits
+        for u in micro_users:
+            u[loss.scale_input] = (pieces / counted.value()).to(torch.float32)
+        return Denominator(torch.tensor(pieces, device=device))
 
     def _microbatches(self, args, kwargs, what: str) -> list:
         """The user inputs of each microbatch (name -> value), checked against the compiled shapes."""
