@@ -34,6 +34,7 @@ def decompose_bias_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
         n.replace_all_uses_with(add)
         add.meta = dict(n.meta)
         g.erase_node(n)
+        add.name = n.name        # the value keeps its name: a pipeline cut may send it by that name
     g.lint()
     gm.recompile()
     return gm
@@ -70,7 +71,7 @@ def fuse_bias_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
         n.replace_all_uses_with(fused)
         g.erase_node(n)
         g.erase_node(mm)
-        fused.name = n.name
+        fused.name = n.name      # as decompose_bias_pass: the value keeps its name
     g.lint()
     gm.recompile()
     return gm

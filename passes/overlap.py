@@ -61,7 +61,7 @@ def overlap_grad_allreduce_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
         g.erase_node(mm)
         g.erase_node(f)
         gm.delete_submodule(f.target)
-        fused._rename(mm.name)
+        fused.name = mm.name     # the value keeps its name (a pipeline cut may send it by that name)
     g.lint()
     gm.recompile()
     return gm
