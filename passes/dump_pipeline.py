@@ -38,15 +38,15 @@ def write_pipeline(prog, out: str) -> None:
     sim = simulated(prog)
     sim.to_svg(os.path.join(out, "simulated.svg"))
     L = [f"# Pipeline: pp={sched.pp}, v={sched.virtual}, m={sched.microbatches}, schedule {sched.name}", "",
-         f"Cuts: {plan.how}, from {plan.candidates} places where only the residual stream crosses "
-         f"({plan.layer_count} layers).", "",
+         f"Cuts: {plan.how}, from {plan.candidates} places where only the residual stream crosses, alone or "
+         f"with small values carried beside it ({plan.layer_count} layers).", "",
          "| stage | rank | boundary out | layers | nodes | parameters | fwd (predicted) | params+grads+AdamW | "
          "activations / microbatch |",
          "|---|---|---|---|---|---|---|---|---|"]
     for c, cost in zip(prog.chunks, plan.costs):
         layers = f"{cost.layers[0]}..{cost.layers[-1]}" if cost.layers else "-"
         nodes = sum(1 for n in c.gm.graph.nodes if n.op not in ("placeholder", "output"))
-        boundary = "(loss)" if c.last else plan.boundaries[c.index]
+        boundary = "(loss)" if c.last else "` + `".join(plan.sent(c.index))
         L.append(f"| {c.index} | {sched.rank_of(c.index)} | `{boundary}` {c.out_shape} | {layers} | {nodes} | "
                  f"{len(c.params)} | {cost.forward_seconds * 1e3:.3f} ms | {_mib(cost.param_bytes)} | "
                  f"{_mib(cost.activation_bytes)} |")

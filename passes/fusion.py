@@ -267,7 +267,8 @@ def fuse_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         return gm
     report.unfused += [Unfused((name,), why) for name, why in rewrite_dropout(gm, ctx.mesh.axis_size("tp"))]
     stages = gm.meta.get(STAGE_PLAN)
-    cuts = frozenset(stages.boundaries) if stages is not None else frozenset()
+    cuts = frozenset(n for k in range(len(stages.boundaries)) for n in stages.sent(k)) if stages is not None \
+        else frozenset()
     renamed: dict = {}
     for k, nodes in enumerate(partition(gm, _Eligibility(), cuts)):
         name = f"fused_{k}"
@@ -289,6 +290,7 @@ def fuse_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         setattr(gm, name, built.module)   # the GraphModule insert_subgm added gives way to the kernels
     if stages is not None:                # a cut at a fused output: the value now has the getitem's name
         stages.boundaries = [renamed.get(b, b) for b in stages.boundaries]
+        stages.carried = [tuple(renamed.get(b, b) for b in names) for names in stages.carried]
     stable_topological_sort(gm)
     gm.graph.lint()
     gm.recompile()

@@ -1,7 +1,11 @@
 """Pipeline stage cuts: where the residual stream crosses, balanced by a cost model.
 
 A cut between two nodes is legal when exactly one *activation* is live across it: a value computed from
-both the parameters and the batch. That value is the residual stream, and it is all a stage sends.
+both the parameters and the batch. That value is the residual stream, and it is what a stage sends.
+Small activations may cross beside it (``Candidate.carried``): an MoE router's logits, which HF keeps
+from every layer until the auxiliary loss at the end, or a running scalar. They are sent with the
+stream in one packed transfer (``passes/stages.py``); without them no cut would be legal after the
+first router.
 Values that depend only on the inputs and buffers (positions, masks, rotary tables) or only on the
 parameters are not activations: every stage that needs them recomputes them (``passes/stages.py``), and
 the dump lists them. No module names are involved in finding the cuts.
@@ -83,28 +87,64 @@ def activations(gm: fx.GraphModule) -> set:
     return from_param & from_input
 
 
+# A value crossing a cut beside the residual stream is at most this fraction of the stream's bytes: an
+# MoE router's logits, kept to the end for the auxiliary loss ([tokens, experts] beside [tokens, hidden]),
+# or a running scalar. Anything larger (a layer's half-computed attention or MLP) is no place to cut.
+CARRIED_FRACTION = 1 / 4
+
+
 @dataclass(frozen=True)
 class Candidate:
-    """A legal cut: after node ``position`` only ``boundary`` (the residual stream) is live."""
+    """A legal cut: after node ``position`` the residual stream ``boundary`` is live, and beside it only
+    the small activations ``carried`` (sent with it, in graph order)."""
     position: int
     boundary: fx.Node
+    carried: tuple = ()
+
+    @property
+    def values(self) -> tuple:
+        return (self.boundary,) + self.carried
+
+    @property
+    def nbytes(self) -> int:
+        """What a cut here sends per microbatch (global shapes)."""
+        return sum(_nbytes(val(v)) for v in self.values)
+
+
+def _floating(v) -> bool:
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
 
 
 def candidates(gm: fx.GraphModule, act: set) -> list:
+    """Every place to cut, in graph order: where one activation is live (the residual stream; a float
+    tensor of rank >= 2), or the residual stream and small float values carried beside it. A residual
+    stream with company must have a shape the stream has alone somewhere (after the embedding, say), so
+    a layer's wide MLP intermediate, live beside the stream it will be added to, is no cut. Of
+    consecutive places with the same residual stream, the one that carries least."""
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     last_use = {n: max((pos[u] for u in n.users), default=pos[n]) for n in act}
-    out, live = [], set()
+    places, live = [], set()
     for i, n in enumerate(nodes):
         if n in act:
             live.add(n)
         live = {a for a in live if last_use[a] > i}
-        if len(live) == 1 and n.op != "output":
-            (b,) = live
-            v = val(b)
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 2 \
-                    and not (out and out[-1].boundary is b):
-                out.append(Candidate(i, b))
+        if live and n.op != "output":
+            b = max(live, key=lambda a: (_nbytes(val(a)), -pos[a]))
+            if _floating(val(b)) and val(b).dim() >= 2:
+                places.append(Candidate(i, b, tuple(sorted(live - {b}, key=pos.__getitem__))))
+    stream_shapes = {tuple(val(c.boundary).shape) for c in places if not c.carried}
+    out = []
+    for cand in places:
+        stream = val(cand.boundary)
+        if cand.carried and (tuple(stream.shape) not in stream_shapes or not all(
+                _floating(val(a)) and _nbytes(val(a)) <= CARRIED_FRACTION * _nbytes(stream) for a in cand.carried)):
+            continue
+        if out and out[-1].boundary is cand.boundary:
+            if cand.nbytes < out[-1].nbytes:
+                out[-1] = cand
+            continue
+        out.append(cand)
     return out
 
 
@@ -180,7 +220,7 @@ class Segments:
             if len(layers) != 1:
                 continue
             starts = k == 0 or self.layers[k - 1] != layers
-            seg.activation_bytes[k] = _nbytes(val(cands[k - 1].boundary)) if starts and k > 0 else 0
+            seg.activation_bytes[k] = cands[k - 1].nbytes if starts and k > 0 else 0
             seg.recompute[k] = self.seconds[k]
         return seg
 
@@ -293,7 +333,7 @@ def uniform_cuts(count: int, stages: int) -> tuple:
 def predict(seg: Segments, cuts: list, schedule, tp: int, cm, cands: list):
     """Chunk costs for ``cuts`` and the simulated step (seconds) and per-rank peak (params + activations).
     The simulator takes one transfer time: that of the widest boundary these cuts send."""
-    boundary_bytes = max((_nbytes(val(cands[c - 1].boundary)) for c in cuts), default=0)
+    boundary_bytes = max((cands[c - 1].nbytes for c in cuts), default=0)
     edges = [0] + list(cuts) + [len(seg.seconds)]
     costs = [seg.chunk(a, b, tp) for a, b in zip(edges, edges[1:])]
     sim = simulate(add_communication(schedule),
@@ -335,12 +375,12 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     elif stages == 1:
         cuts, how = [], "one stage"
     else:
-        send = [0.0] + [cm.p2p_latency + _nbytes(val(c.boundary)) / cm.p2p_bandwidth for c in cands] + [0.0]
+        send = [0.0] + [cm.p2p_latency + c.nbytes / cm.p2p_bandwidth for c in cands] + [0.0]
         cuts = balance(seg, stages, pp, validate(schedule), v, tp, opts.memory_limit, send)
         how = "balanced"
     costs, step, peak = predict(seg, cuts, schedule, tp, cm, cands)
     plan = StagePlan(stages, [cands[c - 1].boundary.name for c in cuts], costs, how, len(cands), count, step, peak,
-                     stretches=list(cuts))
+                     stretches=list(cuts), carried=[tuple(a.name for a in cands[c - 1].carried) for c in cuts])
     if stages > 1 and count >= stages:
         ucuts = uniform_cuts(count, stages)
         try:

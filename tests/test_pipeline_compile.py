@@ -12,6 +12,7 @@ from autoshard.passes.microbatch_loss import LossError
 from autoshard.passes.pipeline_split import PipelineSplitError
 from tests import families
 from tests.models import batch, build
+from tests.family_pipeline_checks import aux_loss_reference, mixtral_with_aux_loss
 from tests.pipeline_checks import ragged_batch
 
 
@@ -218,21 +219,9 @@ def test_moe_aux_loss_plus_cross_entropy_is_exact_for_the_cross_entropy_term():
     pm.step picks the loss the other scalar feeds, makes its cross-entropy term the whole batch's (uneven
     ignored targets over microbatches) and averages the auxiliary term over microbatches, as Megatron does.
     One process, tp=1, m=2 (a pp=2 gloo run gave the same to 1e-7)."""
-    import transformers as T
-    cfg = T.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                          num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
-                          router_aux_loss_coef=0.1)
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    g = torch.Generator().manual_seed(1)
-    ids, labels = torch.randint(0, 128, (4, 8), generator=g), torch.randint(0, 128, (4, 8), generator=g)
-    labels[0, :6] = -100
-    kw = dict(input_ids=ids, labels=labels, attention_mask=torch.ones_like(ids), use_cache=False)
+    model, kw = mixtral_with_aux_loss()
     ref = copy.deepcopy(model)
-    whole = ref(**kw)
-    halves = [ref(**{k: (v[2 * i:2 * i + 2] if torch.is_tensor(v) else v) for k, v in kw.items()}) for i in range(2)]
-    want = whole.loss - 0.1 * whole.aux_loss + 0.1 * (halves[0].aux_loss + halves[1].aux_loss) / 2
+    want = aux_loss_reference(ref, kw)
     want.backward()
     pm = autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (), kw, microbatches=2)
     got = pm.step(**kw)

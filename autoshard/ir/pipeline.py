@@ -38,7 +38,8 @@ class StageCost:
 @dataclass
 class StagePlan:
     """Where the captured graph is cut. ``boundaries[k]`` names the node whose value chunk k sends to
-    chunk k+1 (the residual stream); ``costs[k]`` is chunk k's predicted cost."""
+    chunk k+1 (the residual stream), ``carried[k]`` the small activations sent beside it (an MoE router's
+    logits kept for the auxiliary loss; usually none); ``costs[k]`` is chunk k's predicted cost."""
     num_stages: int
     boundaries: list
     costs: list
@@ -50,6 +51,11 @@ class StagePlan:
     uniform: dict | None = None                  # uniform layer cuts for comparison: cuts, step, peak
     recomputed: dict = field(default_factory=dict)   # chunk -> input-only nodes it recomputes (not sent)
     stretches: list = field(default_factory=list)    # candidate-stretch index where each chunk after the first starts
+    carried: list = field(default_factory=list)      # per boundary: names of the values sent beside it
+
+    def sent(self, k: int) -> tuple:
+        """The names of everything chunk k sends to chunk k+1, the residual stream first."""
+        return (self.boundaries[k],) + (tuple(self.carried[k]) if k < len(self.carried) else ())
 
 
 @dataclass
@@ -84,7 +90,7 @@ class Chunk:
     gm: fx.GraphModule
     inputs: list                 # [ChunkInput], placeholder order
     params: list                 # [ParamRecord]
-    in_shape: tuple | None       # local shape and dtype of the boundary it receives
+    in_shape: tuple | None       # local shape and dtype of the boundary it receives (1-D: several values packed)
     in_dtype: torch.dtype | None
     out_shape: tuple             # local shape and dtype of what it returns
     out_dtype: torch.dtype
