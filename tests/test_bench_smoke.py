@@ -75,3 +75,15 @@ def test_recompute_bench_smoke(tmp_path):
                         "--reps", "1", "--out", str(tmp_path)])
     assert r["memory"]["recompute"] < r["memory"]["plain"], r["memory"]
     assert (tmp_path / "recompute_results.md").exists()
+
+
+def test_moe_pipeline_bench_smoke(tmp_path):
+    """``python -m benchmarks.pp_moe`` at a tiny size: the same loss either way, and the residual-only rule
+    (no values carried) leaves stage 0 with layer 0 alone while carried router logits allow a later cut."""
+    from benchmarks import pp_moe
+    r = pp_moe.main(["--layers", "4", "--hidden", "64", "--seq", "8", "--batch", "4", "--vocab", "64",
+                     "--reps", "1", "--rounds", "1", "--out", str(tmp_path)])
+    v = r["variants"]
+    assert v["residual only"]["layers"][0] == [0] and v["residual only"]["carried"] == [0]
+    assert v["carried"]["carried"][0] >= 1 and v["carried"]["layers"][0][-1] >= 1
+    assert (tmp_path / "pp_moe_results.md").exists()
