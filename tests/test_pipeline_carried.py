@@ -114,13 +114,14 @@ def test_a_carried_running_scalar_trains_exactly_on_two_stages():
         assert r["worst"] < 1e-6, r
 
 
-@pytest.mark.parametrize("dims, options", [({"pp": 2}, {}), ({"pp": 2, "tp": 2}, {"recompute": True})],
-                         ids=["pp2", "pp2-tp2-recompute"])
+@pytest.mark.parametrize("dims, options", [({"pp": 2}, {}), ({"pp": 2, "tp": 2}, {"recompute": True}),
+                                           ({"pp": 2}, {"schedule": "interleaved", "virtual_stages": 2})],
+                         ids=["pp2", "pp2-tp2-recompute", "pp2-interleaved"])
 def test_moe_aux_loss_on_a_pipeline_matches_the_single_device_model(dims, options):
     for r in run_distributed(moe_aux_loss_pipeline, 4 if "tp" in dims else 2, dims, options, timeout=300):
         assert abs(r["loss"] - r["want"]) <= 1e-6 * abs(r["want"]), r
         assert r["worst"] < 1e-5, r
-        assert r["carried"] == [2] and r["layers"][0][-1] >= 1, r     # cut after a router, not before the first
+        assert r["carried"][0] >= 1 and r["layers"][0][-1] >= 1, r     # cut after a router, not before the first
 
 
 @pytest.mark.slow
