@@ -38,7 +38,7 @@ def write_pipeline(prog, out: str) -> None:
     sim = simulated(prog)
     sim.to_svg(os.path.join(out, "simulated.svg"))
     L = [f"# Pipeline: pp={sched.pp}, v={sched.virtual}, m={sched.microbatches}, schedule {sched.name}", "",
-         f"Cuts: {plan.how}, from {plan.candidates} places where only the residual stream crosses, alone or "
+         f"Cuts: {plan.how}, from {plan.candidates} places where the residual stream crosses, alone or "
          f"with small values carried beside it ({plan.layer_count} layers).", "",
          "| stage | rank | boundary out | layers | nodes | parameters | fwd (predicted) | params+grads+AdamW | "
          "activations / microbatch |",

@@ -72,7 +72,7 @@ PASSES = [
     Pass("microbatch_loss", microbatch_loss_pass,
          "pm.step: the mean cross-entropy as a sum, divided by the global count at run time (exact with ignore_index)"),
     Pass("pipeline_split", pipeline_split_pass,
-         "pm.step: cut where only the residual stream crosses, balanced by cost (plan.md: Pipeline)",
+         "pm.step: cut where the residual stream crosses (with small carried values), balanced by cost (plan.md: Pipeline)",
          requires=(M.KIND, M.NAME)),
     Pass("decompose_bias", decompose_bias_pass, "a row-parallel bias must be added after the all-reduce"),
     Pass("plan", plan_pass, "placements for every node, from the op rules and the ILP",

@@ -262,8 +262,8 @@ def balance(seg: Segments, stages: int, pp: int, in_flight: dict, v: int, tp: in
     send = send or [0.0] * (len(seg.seconds) + 1)
     n = len(seg.seconds)              # stretches; chunk k covers stretches [i, j)
     if stages > n:
-        raise PipelineSplitError(f"the model offers {n - 1} places to cut (where only the residual stream "
-                                 f"crosses), so at most {n} stages; asked for pp x v = {stages}")
+        raise PipelineSplitError(f"the model offers {n - 1} places to cut (where the residual stream crosses "
+                                 f"with at most small values beside it), so at most {n} stages; asked for pp x v = {stages}")
     share = None if limit is None else limit / v
     # best[k][j]: (slowest chunk, sum of squared chunk times) over the first j stretches in k chunks. The
     # slowest chunk sets the step time; the squares break ties towards balancing the others too.
@@ -320,7 +320,7 @@ def manual_cuts(gm: fx.GraphModule, cands: list, layers: tuple, prefix, count: i
         k = max((k for k, cand in enumerate(cands) if cand.position < first[c]), default=None)
         if k is None or (out and k + 1 <= out[-1]):
             raise PipelineSplitError(f"pipeline_cuts: no cut point between layer {c - 1} and layer {c} "
-                                     "(more than the residual stream crosses there)")
+                                     "(more than the residual stream and small values beside it cross there)")
         out.append(k + 1)
     return out
 

@@ -81,8 +81,8 @@ def recompute_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         for n in nodes[region.first_index:region.last_index + 1]:
             if n.op not in ("placeholder", "output"):
                 RECOMPUTE.set(n, index)
-    reason = "" if regions else ("no layer was found between two points where only the residual stream is "
-                                 "live" if not skipped else "every layer writes in place") + ": nothing is recomputed"
+    reason = "" if regions else ("no layer was found between two points where only the residual stream "
+                                 "(and small values beside it) is live" if not skipped else "every layer writes in place") + ": nothing is recomputed"
     plan = gm.meta[RECOMPUTE_PLAN] = RecomputePlan(tuple(regions), reason, tuple(skipped))
     if not regions or skipped:   # asked for, and (partly) not done: say so where the user looks, not only in plan.md
         warnings.warn(f"autoshard: recompute was asked for, but {plan.reason or '; '.join(skipped)}", stacklevel=2)
