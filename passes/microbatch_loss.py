@@ -117,17 +117,21 @@ SCALE_INPUT = "autoshard_loss_scale"
 
 
 def _mean_term(loss: fx.Node) -> fx.Node | None:
-    """In ``loss = a + b`` (HF's MoE loss: ``loss += coef * aux_loss``), the one addend that is a plain mean
-    cross-entropy the other does not read; else None."""
+    """In ``loss = a + b`` (HF's MoE loss: ``loss += coef * aux_loss``), the one addend that is a
+    cross-entropy term the other does not read: a plain mean cross-entropy, or a summed one divided by one
+    number for the whole batch (``_shared_divisor``: HF's ``num_items_in_batch``, as the Trainer passes it
+    to an MoE model); else None."""
     if loss.target is not aten.add.Tensor or len(loss.args) != 2 or loss.kwargs.get("alpha", 1) != 1:
         return None
     found = []
     for mine, other in (loss.args, loss.args[::-1]):
-        if not (isinstance(mine, fx.Node) and getattr(mine.target, "overloadpacket", None) is aten.cross_entropy_loss):
+        if not isinstance(mine, fx.Node) or len(mine.users) != 1 or (isinstance(other, fx.Node) and _reads(other, mine)):
             continue
-        a = cross_entropy_args(mine)
-        if a["weight"] is None and a["reduction"] == MEAN and len(mine.users) == 1 and \
-                not (isinstance(other, fx.Node) and _reads(other, mine)):
+        if getattr(mine.target, "overloadpacket", None) is aten.cross_entropy_loss:
+            a = cross_entropy_args(mine)
+            if a["weight"] is None and a["reduction"] == MEAN:
+                found.append(mine)
+        elif _shared_divisor(mine) is not None:
             found.append(mine)
     return found[0] if len(found) == 1 else None
 
@@ -144,21 +148,40 @@ def _reads(n: fx.Node, target: fx.Node) -> bool:
     return False
 
 
-def _scaled_term(gm: fx.GraphModule, ce: fx.Node, loss: fx.Node) -> LossRewrite:
-    """The mean cross-entropy term as its microbatch sum times a scale input that the runtime sets (see
-    ``LossRewrite.scale_input``); the other terms stay as they are."""
-    a = cross_entropy_args(ce)
-    count, inputs = _count_graph(a["target"], a["ignore_index"])
-    if count is None:
-        return LossRewrite(False, inputs)
+def _scale_placeholder(gm: fx.GraphModule, like: fx.Node) -> fx.Node:
     g = gm.graph
     first = next(n for n in g.nodes if n.op != "placeholder")
     with g.inserting_before(first):
         scale = g.placeholder(SCALE_INPUT)
-    scale.meta["val"] = torch.empty((), dtype=torch.float32, device=ce.meta["val"].device)
+    scale.meta["val"] = torch.empty((), dtype=torch.float32, device=like.meta["val"].device)
     M.KIND.set(scale, "input")
     M.NAME.set(scale, SCALE_INPUT)
     M.REQUIRES_GRAD.set(scale, False)
+    return scale
+
+
+def _scaled_term(gm: fx.GraphModule, ce: fx.Node, loss: fx.Node) -> LossRewrite:
+    """The cross-entropy term times a scale input that the runtime sets (see ``LossRewrite.scale_input``);
+    the other terms stay as they are. A mean cross-entropy becomes its microbatch sum first (the scale then
+    holds 1 / the global count); a sum divided by one number for the whole batch already is the
+    microbatch's share of the global loss (the scale holds microbatches x dp, which the runtime's division
+    of the whole loss undoes)."""
+    g = gm.graph
+    if (divisor := _shared_divisor(ce)) is not None:
+        scale = _scale_placeholder(gm, ce)
+        with g.inserting_before(ce.next):
+            scaled = g.call_function(aten.mul.Tensor, (ce, scale))
+            scaled.meta.update(ce.meta)
+        loss.replace_input_with(ce, scaled)
+        return LossRewrite(True, f"cross-entropy (reduction='sum') divided by {divisor}, one number for the whole batch "
+                                 f"(HF's num_items_in_batch), plus other terms ({loss.target}): the cross-entropy "
+                                 "summed over microbatches (and dp), the other terms as their mean", None, [],
+                           SCALE_INPUT)
+    a = cross_entropy_args(ce)
+    count, inputs = _count_graph(a["target"], a["ignore_index"])
+    if count is None:
+        return LossRewrite(False, inputs)
+    scale = _scale_placeholder(gm, ce)
     with g.inserting_before(ce.next):    # (inserting_after would put each new node before the last)
         total = g.call_function(aten.cross_entropy_loss.default,
                                 (a["logits"], a["target"], None, SUM, a["ignore_index"], a["label_smoothing"]))

@@ -71,11 +71,12 @@ def mixtral_with_aux_loss(layers: int = 2):
 
 
 def aux_loss_reference(model, kw: dict, microbatches: int = 2) -> torch.Tensor:
-    """What ``pm.step`` computes for ``ce + coef * aux``: the whole batch's cross-entropy, and the auxiliary
-    term averaged over microbatches (as Megatron does). Backward-able."""
+    """What ``pm.step`` computes for ``ce + coef * aux``: the whole batch's cross-entropy (a mean, or a sum
+    over ``num_items_in_batch``), and the auxiliary term averaged over microbatches (as Megatron does).
+    Backward-able."""
     whole = model(**kw)
     rows = kw["input_ids"].shape[0] // microbatches
-    parts = [model(**{k: (v[i * rows:(i + 1) * rows] if torch.is_tensor(v) else v) for k, v in kw.items()})
+    parts = [model(**{k: (v[i * rows:(i + 1) * rows] if torch.is_tensor(v) and v.dim() else v) for k, v in kw.items()})
              for i in range(microbatches)]
     coef = model.config.router_aux_loss_coef
     return whole.loss - coef * whole.aux_loss + coef * sum(p.aux_loss for p in parts) / microbatches

@@ -214,12 +214,18 @@ def test_hf_num_items_in_batch_loss_is_summed_over_microbatches(as_tensor):
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-7)
 
 
-def test_moe_aux_loss_plus_cross_entropy_is_exact_for_the_cross_entropy_term():
+@pytest.mark.parametrize("num_items", [None, "int", "tensor"])
+def test_moe_aux_loss_plus_cross_entropy_is_exact_for_the_cross_entropy_term(num_items):
     """Mixtral with ``output_router_logits=True`` returns ``loss = ce + coef * aux_loss`` and ``aux_loss``:
     pm.step picks the loss the other scalar feeds, makes its cross-entropy term the whole batch's (uneven
     ignored targets over microbatches) and averages the auxiliary term over microbatches, as Megatron does.
-    One process, tp=1, m=2 (a pp=2 gloo run gave the same to 1e-7)."""
+    With HF's ``num_items_in_batch`` (the Trainer passes it to an MoE model too) the cross-entropy is a sum
+    over that number, summed over microbatches: before, this loss fell back to the mean of microbatch
+    means and came out about halved at m=2. One process, tp=1, m=2 (a pp=2 gloo run gave the same)."""
     model, kw = mixtral_with_aux_loss()
+    if num_items is not None:
+        n = int((kw["labels"][:, 1:] != -100).sum())
+        kw["num_items_in_batch"] = torch.tensor(n) if num_items == "tensor" else n
     ref = copy.deepcopy(model)
     want = aux_loss_reference(ref, kw)
     want.backward()
@@ -227,6 +233,7 @@ def test_moe_aux_loss_plus_cross_entropy_is_exact_for_the_cross_entropy_term():
     got = pm.step(**kw)
     rewrite = pm._stepper.program.loss
     assert rewrite.exact and rewrite.scale_input and "plus other terms" in rewrite.reason
+    assert ("num_items_in_batch" in rewrite.reason) == (num_items is not None)
     assert abs(float(got) - float(want)) <= 1e-6 * abs(float(want))
     grads = dict(ref.named_parameters())
     for name, p in pm.named_parameters():

@@ -67,7 +67,9 @@ class LossRewrite:
     microbatch means). ``scale_input``: a loss of several terms (a mean cross-entropy plus an MoE router's
     auxiliary loss); the graph's cross-entropy is its microbatch sum times this input, which the runtime
     sets to (microbatches x dp) / the global count, and the whole loss is then divided by microbatches x
-    dp: the cross-entropy term is exact, the other terms are the mean of their microbatch values."""
+    dp: the cross-entropy term is exact, the other terms are the mean of their microbatch values. A summed
+    cross-entropy divided by one number for the whole batch plus other terms (HF's ``num_items_in_batch``
+    given to an MoE) has no ``count``: its scale input is microbatches x dp."""
     exact: bool
     reason: str
     count: fx.GraphModule | None = None

@@ -163,8 +163,12 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         pieces = float(len(micro_users) * dp.size)
         if not loss.exact:
             return Denominator(torch.tensor(pieces, device=device))
-        if loss.count is None:                 # a summed loss: the microbatches' and replicas' sums add up
+        if loss.count is None and loss.scale_input is None:   # a summed loss: the microbatches' sums add up
             return Denominator(torch.tensor(1.0, device=device))
+        if loss.count is None:     # a sum over one shared divisor plus other terms: the first one summed
+            for u in micro_users:
+                u[loss.scale_input] = torch.tensor(pieces, dtype=torch.float32, device=device)
+            return Denominator(torch.tensor(pieces, device=device))
         total = torch.as_tensor(sum(loss.count(*[u[n] for n in loss.count_inputs]) for u in micro_users),
                                 dtype=torch.float32, device=device).reshape(1).clone()
         counted = Denominator(total, dp.all_reduce_async(total, "count") if dp.size > 1 else None)
