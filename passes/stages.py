@@ -121,13 +121,14 @@ def split_chunks(gm: fx.GraphModule, plan: StagePlan) -> tuple:
         if (n.op == "placeholder" and M.KIND.get(n, None) in ("input", "buffer")) or \
                 any(i in from_data for i in n.all_input_nodes):
             from_data.add(n)
-    chunks, recomputed = [], {}
+    chunks, recomputed, placed = [], {}, set()
     order = {"boundary": 0, "parameter": 1, "buffer": 2, "input": 3}
     for k in range(plan.num_stages):
         last = k == plan.num_stages - 1
         ends = (_output_value(gm),) if last else bounds[k]
         starts = bounds[k - 1] if k else ()
         members, reads = _members(ends, starts, pos, act, pos[starts[0]] if starts else -1)
+        placed |= members
         g, env, inputs = fx.Graph(), {}, []
         in_shape = in_dtype = None
         if starts:
@@ -161,4 +162,20 @@ def split_chunks(gm: fx.GraphModule, plan: StagePlan) -> tuple:
                          and n in from_data]
         chunks.append(Chunk(k, chunk_gm, inputs, param_records(chunk_gm), in_shape, in_dtype, out_shape, out_dtype,
                             last))
+    _check_writes_kept(nodes, placed)
     return chunks, recomputed
+
+
+def _check_writes_kept(nodes: list, placed: set) -> None:
+    """A write into a view (``x[:, t] = ...``, a linear-attention or RG-LRU scan) has no users, so the walk
+    back from a stage's outputs never reaches it, and the stage would read the buffer unwritten: a wrong
+    loss with no error. Refuse it, naming the module, until stages keep such writes."""
+    from autoshard.passes.shapes import module_path, writes_in_place
+    dropped = [n for n in nodes if writes_in_place(n) and n not in placed and isinstance(n.args[0], fx.Node)
+               and n.args[0].op != "placeholder"]
+    if dropped:
+        n = dropped[0]
+        raise PipelineSplitError(f"'{module_path(n)}' writes in place into a view ({n.target}, {len(dropped)} such "
+                                 "writes): pipeline stages are cut along data edges and cannot keep such a write yet. "
+                                 "Use pp=1 for this model (tensor and data parallelism), or write the update out of "
+                                 "place (torch.cat / torch.stack instead of slice assignment)")

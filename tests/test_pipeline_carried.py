@@ -150,3 +150,34 @@ def test_moe_family_with_router_aux_loss_on_two_stages(name, tp):
         assert abs(r["loss"] - r["want"]) <= 1e-5 * abs(r["want"]), r
         assert abs(r["eval"] - r["want"]) <= 1e-5 * abs(r["want"]), r
         assert r["worst"] < 1e-5 and r["carried"] == [1], r
+
+
+class ScanNet(nn.Module):
+    """A recurrence written into a buffer one step at a time (``states[:, t] = ...``, as linear attention
+    and RG-LRU layers do): writes into views, which have no users in the graph."""
+
+    def __init__(self, vocab=50, hidden=16, layers=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+            states = torch.zeros_like(h)
+            states[:, 0] = h[:, 0]
+            for t in range(1, h.shape[1]):
+                states[:, t] = 0.5 * states[:, t - 1] + h[:, t]
+            h = h + states
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def test_a_write_into_a_view_is_refused_not_dropped_by_the_stage_cut():
+    """Such a write was left out of every stage graph (the walk follows data edges), so the stage read the
+    buffer unwritten: a wrong loss with no error (Qwen3.5, Qwen3-Next, RecurrentGemma). Now an error."""
+    from autoshard.passes.pipeline_split import PipelineSplitError
+    torch.manual_seed(0)
+    with pytest.raises(PipelineSplitError, match=r"writes in place into a view .*Use pp=1"):
+        _compile(ScanNet(), _running_aux_batch(), None, pp=2)
