@@ -108,6 +108,11 @@ def tp_rewrite_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             new = _lower(g, n, s, args, kwargs, t, rank, add_module)
         if new.name != n.name:
             new._rename(n.name)
+        if new.name != n.name:   # a helper made first took the name: the value keeps it (stage cuts name it)
+            holder = next((x for x in g.nodes if x.name == n.name and x is not new), None)
+            if holder is not None:
+                holder._rename(f"{n.name}_{holder.op}")
+            new.name = n.name
         new.meta.update({k: v for k, v in n.meta.items() if k != "val"})
         new.meta["val"] = _local_val(n, s.out, t)
         M.GLOBAL_SHAPE.set(new, shape_of(n))
