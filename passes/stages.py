@@ -23,6 +23,7 @@ from autoshard.ir import ops
 from autoshard.ir.pipeline import Chunk, ChunkInput, StagePlan
 from autoshard.passes.lower import param_records
 from autoshard.passes.pipeline_split import PipelineSplitError, activations
+from autoshard.passes.shapes import module_path, writes_in_place
 
 aten = torch.ops.aten
 
@@ -60,12 +61,15 @@ def _local_shape(n: fx.Node) -> tuple:
     return tuple(M.LOCAL_SHAPE.get(n, None) or n.meta["val"].shape)
 
 
-def _packed_dtype(values: tuple) -> torch.dtype:
-    """One dtype every sent value converts to and back from exactly (the widest of theirs)."""
+def _transfer(values: tuple) -> tuple:
+    """``(local shape, dtype)`` of what a cut sends: the value itself, or several packed into one 1-D
+    tensor of the widest of their dtypes (each converts to it and back exactly)."""
+    if len(values) == 1:
+        return _local_shape(values[0]), values[0].meta["val"].dtype
     dtype = values[0].meta["val"].dtype
     for v in values[1:]:
         dtype = torch.promote_types(dtype, v.meta["val"].dtype)
-    return dtype
+    return (sum(math.prod(_local_shape(v)) for v in values),), dtype
 
 
 def _unpack(g: fx.Graph, ph: fx.Node, values: tuple, dtype: torch.dtype, env: dict) -> None:
@@ -136,26 +140,19 @@ def split_chunks(gm: fx.GraphModule, plan: StagePlan) -> tuple:
             M.KIND.set(ph, "boundary")
             M.NAME.set(ph, starts[0].name)
             inputs.append(ChunkInput("boundary", starts[0].name))
+            in_shape, in_dtype = _transfer(starts)
             if len(starts) == 1:
                 ph.meta.update(starts[0].meta)
                 env[starts[0]] = ph
-                in_shape, in_dtype = _local_shape(starts[0]), starts[0].meta["val"].dtype
             else:
-                in_dtype = _packed_dtype(starts)
-                in_shape = (sum(math.prod(_local_shape(v)) for v in starts),)
                 _unpack(g, ph, starts, in_dtype, env)
         for p in sorted(reads, key=lambda p: (order.get(M.KIND.get(p), 9), pos[p])):
             env[p] = g.node_copy(p)
             inputs.append(ChunkInput(M.KIND.get(p), M.NAME.get(p)))
         for n in sorted(members, key=pos.__getitem__):
             env[n] = g.node_copy(n, lambda u: env[u])
-        if len(ends) == 1:
-            g.output(env[ends[0]])
-            out_shape, out_dtype = _local_shape(ends[0]), ends[0].meta["val"].dtype
-        else:
-            out_dtype = _packed_dtype(ends)
-            g.output(_pack(g, ends, env, out_dtype))
-            out_shape = (sum(math.prod(_local_shape(v)) for v in ends),)
+        out_shape, out_dtype = _transfer(ends)
+        g.output(env[ends[0]] if len(ends) == 1 else _pack(g, ends, env, out_dtype))
         chunk_gm = fx.GraphModule(gm, g)
         recomputed[k] = [n.name for n in sorted(members, key=pos.__getitem__)
                          if n not in act and n.op == "call_function"
@@ -170,7 +167,6 @@ def _check_writes_kept(nodes: list, placed: set) -> None:
     """A write into a view (``x[:, t] = ...``, a linear-attention or RG-LRU scan) has no users, so the walk
     back from a stage's outputs never reaches it, and the stage would read the buffer unwritten: a wrong
     loss with no error. Refuse it, naming the module, until stages keep such writes."""
-    from autoshard.passes.shapes import module_path, writes_in_place
     dropped = [n for n in nodes if writes_in_place(n) and n not in placed and isinstance(n.args[0], fx.Node)
                and n.args[0].op != "placeholder"]
     if dropped:

@@ -26,6 +26,20 @@ def build_family(name: str):
     return build(cfg), 97
 
 
+def worst_gradient(pm, ref_grads: dict, unused_in_reference: bool = False) -> float:
+    """The largest gradient error over ``pm``'s parameters (gathered to full shape), relative to the
+    reference gradient's largest entry. ``unused_in_reference``: skip parameters the reference left
+    without a gradient (an MoE expert no token chose)."""
+    worst = 0.0
+    for n, p in pm.named_parameters():
+        if p.grad is None or (unused_in_reference and ref_grads[n].grad is None):
+            continue
+        got = pm.gather(n, p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+        expect = ref_grads[n].grad
+        worst = max(worst, float((got - expect).abs().max() / max(float(expect.abs().max()), 1e-6)))
+    return worst
+
+
 def pipeline_against_single_device(rank, world, name, router_aux: bool = False, tp: int = 1):
     """``router_aux``: an MoE family trained with its router's auxiliary loss (``output_router_logits``):
     the cuts carry the router logits, and the reference is ``aux_loss_reference``. ``tp``: pp=2 x tp."""
@@ -44,12 +58,7 @@ def pipeline_against_single_device(rank, world, name, router_aux: bool = False, 
     cuts = {"pipeline_cuts": [1]} if router_aux else {}      # after layer 0: its router logits cross
     pm = autoshard.parallelize(model, autoshard.init_mesh(pp=2, tp=tp), (), kwargs, microbatches=2, **cuts)
     loss = float(pm.step(**kwargs))
-    worst = 0.0
-    for n, p in pm.named_parameters():
-        if p.grad is not None:
-            got = pm.gather(n, p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
-            expect = ref_grads[n].grad
-            worst = max(worst, float((got - expect).abs().max() / max(float(expect.abs().max()), 1e-6)))
+    worst = worst_gradient(pm, ref_grads)
     return dict(loss=loss, want=float(want.detach()), worst=worst, eval=float(pm.eval_batch(**kwargs)),
                 carried=[len(c) for c in pm.program.plan.carried])
 
@@ -94,12 +103,7 @@ def moe_aux_loss_pipeline(rank, world, dims: dict, options: dict | None = None, 
     ref_grads = dict(ref.named_parameters(remove_duplicate=False))
     pm = autoshard.parallelize(model, autoshard.init_mesh(**dims), (), kw, microbatches=2, **(options or {}))
     loss = float(pm.step(**kw))
-    worst = 0.0
-    for n, p in pm.named_parameters():
-        if p.grad is not None and ref_grads[n].grad is not None:
-            got = pm.gather(n, p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
-            expect = ref_grads[n].grad
-            worst = max(worst, float((got - expect).abs().max() / max(float(expect.abs().max()), 1e-6)))
+    worst = worst_gradient(pm, ref_grads, unused_in_reference=True)
     plan = pm.program.plan if hasattr(pm, "program") else pm._stepper.program.plan
     return dict(loss=loss, want=float(want.detach()), worst=worst, carried=[len(c) for c in plan.carried],
                 layers=[c.layers for c in plan.costs])
