@@ -7,7 +7,7 @@ from tests.distributed import run_distributed
 from tests.families import FAMILIES
 from tests.family_pipeline_checks import pipeline_against_single_device
 from tests.test_more_families import CASES
-from tests.zoo import ZOO, build_zoo
+from tests.zoo import ZOO, build_zoo, tolerance
 
 
 @pytest.mark.slow
@@ -18,4 +18,4 @@ def test_family_on_two_pipeline_stages(name):
     for r in run_distributed(pipeline_against_single_device, 2, name, timeout=300):
         assert abs(r["loss"] - r["want"]) <= 1e-5 * abs(r["want"]), r
         assert abs(r["eval"] - r["want"]) <= 1e-5 * abs(r["want"]), r      # dropouts are 0: eval = train loss
-        assert r["worst"] < 1e-5, r
+        assert r["worst"] < (tolerance(name) if name in ZOO else 1e-5), r
