@@ -11,10 +11,12 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autoshard.ir import meta as M
 from autoshard.ir.program import Captured
 from autoshard.passes.regions import RegionError, inline_regions
+from autoshard.passes.shapes import module_path
 
 
 class CaptureError(ValueError, RuntimeError):
@@ -116,6 +118,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
         regions = inline_regions(gm)
     except RegionError as e:
         raise CaptureError(str(e)) from None
+    _check_static_sizes(model, gm)
     for n in list(gm.graph.nodes):  # export's dtype asserts: no output, and sharding never changes dtypes
         if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default:
             gm.graph.erase_node(n)
@@ -145,6 +148,27 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
                     [x if not isinstance(x, torch.Tensor) else (tuple(x.shape), x.dtype) for x in example_leaves],
                     input_leaves=input_leaves, regions=regions,
                     example_requires_grad=[isinstance(x, torch.Tensor) and bool(x.requires_grad) for x in example_leaves])
+
+
+def _check_static_sizes(model, gm) -> None:
+    """Refuse a graph whose sizes depend on tensor values (export's unbacked symbols, ``u0``): an MoE
+    that loops over experts with per-expert token counts (JetMoE) traces, but then every size after it
+    is unknown, and sharding, stage cuts and the executor's buffers all need static ones."""
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if v is None or not free_unbacked_symbols(v):
+            continue
+        where = module_path(n)
+        top = where == "the top module"
+        try:
+            kind = type(model if top else model.get_submodule(where)).__name__
+        except AttributeError:
+            kind = "module"
+        raise CaptureError(f"{where if top else repr(where)} ({kind}) makes a size from tensor values ({n.target} gives "
+                           f"{v if not isinstance(v, torch.Tensor) else tuple(v.shape)}): autoshard needs "
+                           "sizes known at compile time.\nhint: compute every expert on every token and mask, "
+                           "or use the model's dense / grouped-matmul expert path; a loop over "
+                           "per-expert token counts cannot be sharded or cut into stages")
 
 
 def _user_inputs(gm, inputs, leaves) -> list:

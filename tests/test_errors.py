@@ -67,6 +67,27 @@ def test_capture_error_names_module_and_construct():
         autoshard.compile_rank(Branchy(), {"tp": 1}, 0, (torch.randn(2, 4),))
 
 
+class TokenLoop(nn.Module):
+    """Keeps only the tokens its router picks: a size that depends on values (JetMoE's experts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(4, 1)
+        self.expert = nn.Linear(4, 4)
+
+    def forward(self, x):
+        chosen = x[self.router(x).squeeze(-1) > 0]
+        return self.expert(chosen).sum()
+
+
+def test_data_dependent_size_is_a_capture_error_naming_the_module():
+    # export traces this (an unbacked size), so the refusal is ours: before it, a shape helper failed
+    # deep in a pass with no module named
+    want = r"the top module \(TokenLoop\) makes a size from tensor values \(aten.index.Tensor[\s\S]*hint"
+    with pytest.raises(CaptureError, match=want):
+        autoshard.compile_rank(TokenLoop(), {"tp": 2}, 0, (torch.randn(8, 4),))
+
+
 def test_bad_pins():
     model = build("gpt", n_layer=1)
     with pytest.raises(PlanError, match=r"not parameters of the model"):
