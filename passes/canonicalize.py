@@ -33,6 +33,12 @@ def _meta(x):
     return x
 
 
+def val_dtype(x):
+    """The dtype of an fx node's recorded value, or of a Python scalar (its torch default)."""
+    v = x.meta.get("val") if isinstance(x, fx.Node) else torch.tensor(x)
+    return v.dtype
+
+
 def _emit(g, target, args, like: fx.Node):
     """A new node computing ``target(*args)``, with its ``val`` from a meta run and ``like``'s module stack."""
     node = g.call_function(target, tuple(args))
@@ -70,7 +76,22 @@ def _broadcast_to(g, n):
     return _emit(g, aten.expand.default, (n.args[0], list(shape_of(n))), n)
 
 
+def _copy(g, n):
+    """Functional ``copy(self, src)`` (what functionalization makes of ``x[...] = src``) has no
+    derivative: it is ``src`` cast to ``self``'s dtype and broadcast to its shape."""
+    x, src = n.args[0], n.args[1]
+    out = src
+    if val_dtype(src) != val_dtype(x):
+        out = _emit(g, aten._to_copy.default, (out,), n)
+        out.kwargs = {"dtype": val_dtype(x)}
+        out.meta["val"] = out.meta["val"].to(val_dtype(x))
+    if shape_of(out) != shape_of(x):
+        out = _emit(g, aten.expand.default, (out, list(shape_of(x))), n)
+    return out if out is not src else _emit(g, aten.clone.default, (src,), n)
+
+
 REWRITES = {
+    aten.copy.default: _copy,
     aten.chunk.default: _chunk,
     aten.unsafe_chunk.default: _chunk,
     aten.stack.default: _stack,

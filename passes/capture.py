@@ -15,6 +15,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autoshard.ir import meta as M
 from autoshard.ir.program import Captured
+from autoshard.passes.functionalize import functionalize
 from autoshard.passes.regions import RegionError, inline_regions
 from autoshard.passes.shapes import module_path
 
@@ -113,6 +114,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
         if spec.kind not in (OutputKind.USER_OUTPUT,):
             raise CaptureError(f"the forward mutates {spec.kind.name.lower()} '{spec.target}'; autoshard "
                                "captures pure forwards only (hint: return the new value instead)")
+    ep, functionalized = functionalize(ep)
     gm = ep.graph_module
     try:
         regions = inline_regions(gm)
@@ -146,7 +148,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
     return Captured(gm, ep.call_spec.in_spec, ep.call_spec.out_spec, params, buffers, aliases, users,
                     dict(ep.constants),
                     [x if not isinstance(x, torch.Tensor) else (tuple(x.shape), x.dtype) for x in example_leaves],
-                    input_leaves=input_leaves, regions=regions,
+                    input_leaves=input_leaves, regions=regions, functionalized=functionalized,
                     example_requires_grad=[isinstance(x, torch.Tensor) and bool(x.requires_grad) for x in example_leaves])
 
 

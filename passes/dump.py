@@ -222,6 +222,10 @@ def write_plan(program, dump_dir):
     if report is not None and report.attention:
         L += ["## Attention", ""] + [f"- {a}" for a in report.attention] + [""]
     L += loss_section(program)
+    if program.captured.functionalized:
+        L += ["## Writes into views", "", "Made pure at capture (torch's functionalization: `slice_scatter` / "
+              "`select_scatter` into a new buffer) so that sharding and stage cuts see them as data: "
+              + ", ".join(f"`{m}`" for m in program.captured.functionalized), ""]
     L += ["## Fallbacks (replicated because no sharding could be proven exact)", ""]
     if report is not None:
         L += [f"- {n} has no sharding rule: runs replicated (exact; its inputs are made whole)"

@@ -8,11 +8,12 @@ multi-head latent attention (V2, V3) builds its keys so::
     key[..., d_nope:].copy_(k_rot)      # k_rot broadcast over the heads
 
 The in-place writes go through views of the buffer. Sharding moves a view and its base through
-different collectives, so ``canonicalize`` refuses such writes at tp > 1 rather than risk a silent
-wrong result. But when the slices are disjoint, cover the buffer along one dimension, and nothing reads
-the buffer before the last write, the buffer *is* the concatenation of what was copied in (each part
+different collectives, so such writes must become values before planning. Capture's functionalization
+(``functionalize.py``) would make each a ``slice_scatter`` into the buffer. But when the slices are
+disjoint, cover the buffer along one dimension, and nothing reads the buffer before the last write, the buffer *is* the concatenation of what was copied in (each part
 broadcast to its slice's shape and cast to the buffer's dtype, as ``copy_`` does). That ``cat`` is pure,
-and the sharding rules know it. Any other use of a written slice is left alone, and still refused.
+and the sharding rules know it, with no scatter into an empty buffer; capture leaves these writes to this
+pass. Any other write into a slice is functionalized at capture.
 """
 from __future__ import annotations
 

@@ -180,6 +180,22 @@ def slice_like(node, ctx):
     return strategies
 
 
+def scatter_like(node, ctx):
+    """``slice_scatter`` / ``select_scatter`` (what functionalization makes of ``x[:, t] = y``): sharded
+    along any dim but the written one, base and part alike; partial sums stay partial (it is linear in
+    both)."""
+    base, part = node.args[0], node.args[1]
+    nd = len(shape_of(base))
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
+    drops = node.target.overloadpacket is aten.select_scatter
+    strategies = _replicated(node) + [Strategy(P, _ins(node, {base: P, part: P}))]
+    for s in shard_options(base, shape_of(base), ctx):
+        if s.dim != dim:
+            pd = s.dim - 1 if drops and s.dim > dim else s.dim
+            strategies.append(Strategy(s, _ins(node, {base: s, part: Shard(pd, s.blocks)}), sharded=True))
+    return strategies
+
+
 def index(node, ctx):
     """``x[..., idx, ...]`` with one 1-D index tensor (``aten.index.Tensor``): dims other than the indexed
     one keep their shard (Falcon's kv-head pick, HF's position gathers)."""
@@ -351,6 +367,7 @@ RULES = {
     aten.transpose: transpose, aten.permute: permute, aten.t: t_, aten.unsqueeze: unsqueeze,
     aten.expand: expand, aten.split: split, aten.split_with_sizes: split,
     aten.slice: slice_like, aten.select: slice_like, aten.narrow: slice_like, aten.cat: cat, aten.index: index,
+    aten.slice_scatter: scatter_like, aten.select_scatter: scatter_like,
     aten._softmax: softmax, aten.softmax: softmax, aten._log_softmax: softmax, aten.log_softmax: softmax,
     aten.sum: reduce_sum, aten.mean: reduce_sum,
     aten.layer_norm: layer_norm, aten.linear: linear, aten.mm: mm, aten.bmm: bmm, aten.matmul: matmul,

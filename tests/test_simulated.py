@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import autoshard
 from autoshard.passes.plan import PlanError
 from autoshard.ir.placement import Shard
 from tests.models import batch, build
@@ -213,7 +214,8 @@ def test_in_place_writes_keep_their_meaning(t):
 
 class WriteWithAView(nn.Module):
     """``p = h.movedim(-1, 0); h.mul_(2); y = p.movedim(0, -1)``: the write must reach the view. Sharding
-    would move h and p through different collectives, so at tp > 1 this is a clear error, not a guess."""
+    would move h and p through different collectives, so capture functionalizes it (``p`` is read from the
+    written ``h``) before anything is sharded."""
     def __init__(self):
         super().__init__()
         self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
@@ -225,11 +227,14 @@ class WriteWithAView(nn.Module):
         return self.b(torch.relu(p.movedim(0, -1))).sum()
 
 
-def test_in_place_write_with_a_view_is_exact_at_tp1_and_an_error_above():
-    torch.manual_seed(0)
-    assert_same(WriteWithAView(), (torch.randn(2, 4, 8),), 1)
-    with pytest.raises(NotImplementedError, match=r"writes in place \(aten.mul_.Tensor\) to a tensor that has views"):
-        assert_same(WriteWithAView(), (torch.randn(2, 4, 8),), 2)
+def test_in_place_write_with_a_view_is_exact_at_every_tp(tmp_path):
+    # (was refused at tp > 1 before capture functionalized writes into views)
+    for t in (1, 2, 4):
+        torch.manual_seed(0)
+        assert_same(WriteWithAView(), (torch.randn(2, 4, 8),), t)
+    autoshard.compile_rank(WriteWithAView(), {"tp": 2}, 0, (torch.randn(2, 4, 8),),
+                           options=autoshard.CompileOptions(dump=str(tmp_path)))
+    assert "## Writes into views" in (tmp_path / "plan.md").read_text()      # the dump says it was done
 
 
 class TrainOnlyConstant(nn.Module):
@@ -305,11 +310,11 @@ def test_fill_by_slices_becomes_a_cat_and_is_exact():
 
 
 @pytest.mark.parametrize("how", ["overlap", "read early", "mutated"])
-def test_fill_by_slices_that_is_not_a_cat_stays_refused_at_tp2(how):
-    torch.manual_seed(0)
-    assert_same(FillBySlices(how), (torch.randn(2, 3, 8),), 1)
-    with pytest.raises(NotImplementedError, match=r"writes in place \(aten.copy_.default\)"):
-        assert_same(FillBySlices(how), (torch.randn(2, 3, 8),), 2)
+def test_fill_by_slices_that_is_not_a_cat_is_functionalized_and_exact(how):
+    # not one cat (fill_slices leaves it), so capture makes its writes slice_scatters
+    for t in (1, 2):
+        torch.manual_seed(0)
+        assert_same(FillBySlices(how), (torch.randn(2, 3, 8),), t)
 
 
 class NestedFills(nn.Module):

@@ -17,6 +17,12 @@ MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 GEMMA4 = dict(COMMON, head_dim=16, sliding_window=4, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
               layer_types=["sliding_attention", "full_attention"])
 
+# Gated-DeltaNet linear attention beside full attention (Qwen3.5, Qwen3-Next)
+LINEAR_ATTENTION = dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                        linear_num_key_heads=2, linear_num_value_heads=4,
+                        layer_types=["linear_attention", "full_attention"])
+SHARED_MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+
 # name -> (config class name, its keywords, attention implementation)
 ZOO = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
@@ -112,6 +118,13 @@ ZOO = {
         n_mamba_heads=4, mamba_headdim=32, chunk_size=8, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=4, attention_head_dim=32, max_position_embeddings=64,
         layers_block_type=["mamba", "hybrid"], hybrid_layer_ids=[1]), "sdpa"),
+    # Scans that write into views (``out[:, t] = ...``): made pure at capture (passes/functionalize.py)
+    "qwen3_5_text": ("Qwen3_5TextConfig", dict(COMMON, head_dim=16, **LINEAR_ATTENTION), "sdpa"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(COMMON, head_dim=16, **LINEAR_ATTENTION, **SHARED_MOE), "sdpa"),
+    "qwen3_next": ("Qwen3NextConfig", dict(COMMON, head_dim=16, **LINEAR_ATTENTION, **SHARED_MOE), "sdpa"),
+    "recurrent_gemma": ("RecurrentGemmaConfig", dict(vocab_size=128, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, lru_width=64,
+        attention_window_size=4, block_types=["recurrent", "attention"]), "sdpa"),
 }
 
 

@@ -28,6 +28,7 @@ class Captured:
     input_leaves: list = field(default_factory=list)   # indices of the leaves the graph reads, in order
     example_requires_grad: list = field(default_factory=list)  # per leaf: a tensor that requires grad
     regions: list = field(default_factory=list)        # higher-order regions inlined at capture
+    functionalized: list = field(default_factory=list) # modules whose writes into views became scatters
 
 
 @dataclass(frozen=True)
