@@ -130,6 +130,14 @@ def unsqueeze(node, ctx):
     return _permuting(node, ctx, [i if i < d else (i - 1 if i > d else -1) for i in range(nd)])
 
 
+def squeeze(node, ctx):
+    """``squeeze`` (all size-1 dims, one, or a list): the kept dims keep their shards."""
+    ishape = shape_of(node.args[0])
+    dims = node.args[1] if len(node.args) > 1 else range(len(ishape))
+    dims = {d % len(ishape) for d in ([dims] if isinstance(dims, int) else dims)}
+    return _permuting(node, ctx, [d for d in range(len(ishape)) if not (d in dims and ishape[d] == 1)])
+
+
 def expand(node, ctx):
     src = node.args[0]
     ishape, oshape = shape_of(src), shape_of(node)
@@ -279,6 +287,30 @@ def linear(node, ctx):
     return strategies
 
 
+def _conv_groups(node) -> int:
+    return node.args[6] if len(node.args) > 6 else node.kwargs.get("groups", 1)
+
+
+def depthwise_conv1d(node, ctx):
+    """``conv1d`` with one filter per channel (``groups == channels``: the short causal conv of Mamba,
+    gated DeltaNet and RG-LRU mixers): channels are independent, so input, weight and bias shard along
+    them alike and each rank convolves its own (``groups`` becomes the local channel count, lowering
+    ``depthwise_channels``). Batch rows shard too, with the filters whole. Any other conv stays replicated."""
+    x, w = node.args[0], node.args[1]
+    b = node.args[2] if len(node.args) > 2 and isinstance(node.args[2], torch.fx.Node) else None
+    xs, ws = shape_of(x), shape_of(w)
+    strategies = _replicated(node)
+    if len(xs) != 3 or _conv_groups(node) != xs[1] or ws[0] != xs[1] or ws[1] != 1:
+        return strategies
+    for s in shard_options(x, xs, ctx):
+        if s.dim == 1:
+            m = {x: s, w: Shard(0, s.blocks)} | ({b: Shard(0, s.blocks)} if b is not None else {})
+            strategies.append(Strategy(s, _ins(node, m), lowering="depthwise_channels", sharded=True))
+        elif s.dim == 0:
+            strategies.append(Strategy(s, _ins(node, {x: s}), sharded=True))
+    return strategies
+
+
 def mm(node, ctx):
     a, b = node.args[0], node.args[1]
     (m, k), (_, n) = shape_of(a), shape_of(b)
@@ -307,6 +339,20 @@ def bmm(node, ctx):
         strategies.append(Strategy(Shard(2), _ins(node, {b: Shard(2)}), sharded=True))
     if k % t == 0:
         strategies.append(Strategy(P, _ins(node, {a: Shard(2), b: Shard(1)}), sharded=True))
+    return strategies
+
+
+def baddbmm(node, ctx):
+    """``self + a @ b`` batched ([B, m, k] @ [B, k, n]; RG-LRU's per-head gates): the batch, m or n dim
+    shards as in ``bmm``, ``self`` with it where it has that dim and whole where it broadcasts."""
+    c, a, b = node.args[0], node.args[1], node.args[2]
+    (B, m, _), (_, _, n) = shape_of(a), shape_of(b)
+    cs = (1,) * (3 - len(shape_of(c))) + tuple(shape_of(c))
+    strategies = _replicated(node)
+    for d, size, operands in ((0, B, {a: Shard(0), b: Shard(0)}), (1, m, {a: Shard(1)}), (2, n, {b: Shard(2)})):
+        if size % ctx.t == 0 and size > 1:
+            own = {c: Shard(d - (3 - len(shape_of(c))))} if cs[d] == size else {}
+            strategies.append(Strategy(Shard(d), _ins(node, operands | own), sharded=True))
     return strategies
 
 
@@ -364,14 +410,14 @@ def sdpa(node, ctx):
 
 RULES = {
     aten.view: view, aten.reshape: view, aten._unsafe_view: view,
-    aten.transpose: transpose, aten.permute: permute, aten.t: t_, aten.unsqueeze: unsqueeze,
+    aten.transpose: transpose, aten.permute: permute, aten.t: t_, aten.unsqueeze: unsqueeze, aten.squeeze: squeeze,
     aten.expand: expand, aten.split: split, aten.split_with_sizes: split,
     aten.slice: slice_like, aten.select: slice_like, aten.narrow: slice_like, aten.cat: cat, aten.index: index,
     aten.slice_scatter: scatter_like, aten.select_scatter: scatter_like,
     aten._softmax: softmax, aten.softmax: softmax, aten._log_softmax: softmax, aten.log_softmax: softmax,
     aten.sum: reduce_sum, aten.mean: reduce_sum,
-    aten.layer_norm: layer_norm, aten.linear: linear, aten.mm: mm, aten.bmm: bmm, aten.matmul: matmul,
-    aten.scaled_dot_product_attention: sdpa, aten.embedding: embedding,
+    aten.layer_norm: layer_norm, aten.linear: linear, aten.mm: mm, aten.bmm: bmm, aten.baddbmm: baddbmm, aten.matmul: matmul,
+    aten.scaled_dot_product_attention: sdpa, aten.embedding: embedding, aten.conv1d: depthwise_conv1d,
     aten.cross_entropy_loss: cross_entropy, aten.logsumexp: logsumexp,
 }
 VIEW_OPS = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}

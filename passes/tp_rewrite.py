@@ -165,6 +165,8 @@ def _lower(g, n, s, args, kwargs, t, rank, add_module):
         _, valid = _vocab_range(shape_of(n.args[0])[dim], t, rank)
         mod = ops.VocabParallelLogsumexp("tp", t, shape_of(n), dims, keepdim, dim, valid)
         return g.call_module(add_module("vocab_logsumexp", mod), (args[0],))
+    if s.lowering == "depthwise_channels":   # one filter per channel: as many groups as local channels
+        return g.call_function(n.target, tuple(args[:6]), dict(kwargs, groups=shape_of(n.args[0])[1] // t))
     if packet in VIEW_OPS:
         args = (args[0], list(local_shape(shape_of(n), s.out, t))) + tuple(args[2:])
         if packet is not aten.expand:

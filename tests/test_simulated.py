@@ -336,3 +336,38 @@ class NestedFills(nn.Module):
 def test_nested_fills_are_both_cats():
     torch.manual_seed(0)
     assert_same(NestedFills(), (torch.randn(4, 8),), 2)
+
+
+class ShortConvMixer(nn.Module):
+    """A Mamba-style mixer: in-projection, a depthwise causal conv over channels (its weight read through
+    ``squeeze``/``unsqueeze`` as HF's slow paths do), per-head gates as ``baddbmm`` (RG-LRU's), and an
+    out-projection. Every piece has a channel-sharded strategy, so nothing needs gathering."""
+
+    def __init__(self, d=8, inner=16, heads=4, k=3):
+        super().__init__()
+        self.inp, self.out = nn.Linear(d, inner), nn.Linear(inner, d)
+        self.conv = nn.Conv1d(inner, inner, k, groups=inner, padding=k - 1)
+        self.gate_w = nn.Parameter(torch.randn(heads, inner // heads, inner // heads) * 0.3)
+        self.gate_b = nn.Parameter(torch.randn(heads, inner // heads) * 0.1)
+        self.heads = heads
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        h = self.inp(x).transpose(1, 2)
+        w = self.conv.weight.squeeze(1)
+        h = F.conv1d(h, w.unsqueeze(1), self.conv.bias, padding=self.conv.padding, groups=h.shape[1])[..., :s]
+        h = F.silu(h).transpose(1, 2)                                     # [b, s, inner]
+        heads = h.reshape(b * s, self.heads, -1).transpose(0, 1)          # [heads, b*s, inner/heads]
+        gate = torch.baddbmm(self.gate_b[:, None, :], heads, self.gate_w).sigmoid()
+        h = h * gate.transpose(0, 1).reshape(b, s, -1)
+        return self.out(h).pow(2).sum()
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_depthwise_conv_and_head_gates_shard_along_channels(t):
+    torch.manual_seed(0)
+    assert_same(ShortConvMixer(), (torch.randn(2, 5, 8),), t)
+    prog = autoshard.compile_rank(ShortConvMixer(), {"tp": t}, 0, (torch.randn(2, 5, 8),))
+    local = {p.name: p.local_shape for p in prog.params}
+    assert local["conv.weight"] == (16 // t, 1, 3) and local["gate_w"][0] == 4 // t, local
+    assert not prog.report.unruled, prog.report.unruled
