@@ -81,11 +81,40 @@ def _check_compute_dtypes(gm, dtype):
                              "the model (for example `pe.to(x.dtype)`), or parallelize without mixed_precision")
 
 
+@contextmanager
+def _with_loss(model, loss_fn, kwargs):
+    """The model's forward followed by ``loss_fn(output, target)``, with ``target`` a keyword of the call:
+    torch.distributed.pipelining's convention (``schedule.step(x, target=y)``), so a model that returns
+    logits trains with ``pm.step(x, target=y)``. The loss is traced with the model, so the compiler sees
+    (and makes exact over microbatches) a mean-reduced cross-entropy like any other."""
+    if loss_fn is None:
+        yield
+        return
+    if "target" not in kwargs:
+        raise ValueError("loss_fn= is given but the example call has no target=: pass the targets as a keyword, "
+                         "parallelize(model, mesh, (x,), {'target': y}, loss_fn=...), and pm.step(x, target=y)")
+    own = model.__dict__.get("forward")            # an instance-level forward (a hook library's) is kept
+    inner = model.forward
+
+    def forward(*args, target, **kw):
+        return loss_fn(inner(*args, **kw), target)
+    model.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
+
+
 def _capture(model, args, kwargs, options: CompileOptions, training: bool) -> Captured:
-    """The model as export sees it in ``training`` mode (a bf16 twin under mixed precision)."""
+    """The model as export sees it in ``training`` mode (a bf16 twin under mixed precision), with
+    ``options.loss_fn`` after it when given."""
     traced = compute_twin(model, COMPUTE_DTYPES[options.mixed_precision]) if options.mixed_precision else model
-    with _mode(traced, training):
-        captured = capture(traced, tuple(args), dict(kwargs or {}))
+    kwargs = dict(kwargs or {})
+    with _mode(traced, training), _with_loss(traced, options.loss_fn, kwargs):
+        captured = capture(traced, tuple(args), kwargs)
     if options.mixed_precision:
         _check_compute_dtypes(captured.gm, COMPUTE_DTYPES[options.mixed_precision])
     return captured
@@ -191,7 +220,7 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
                 mixed_precision: str | None = None, max_programs: int = 8, microbatches: int | None = None,
                 schedule: str = "1f1b", virtual_stages: int = 1, pipeline_cuts=None, memory_limit=None,
                 zero: int = 0, fuse: bool | str = "auto", loss_chunk_rows="auto", recompute: bool | str = "auto",
-                options: CompileOptions | None = None):
+                loss_fn=None, options: CompileOptions | None = None):
     """Tensor-parallel ``model`` over ``mesh["tp"]``: an ``nn.Module`` holding this rank's shards.
 
     ``example_args``/``example_kwargs`` are traced first; other shapes, and the other of train/eval
@@ -218,12 +247,15 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     None: off). ``recompute=True`` keeps only each layer's input for backward and runs the layer again
     there (Megatron's full recompute); ``"auto"`` does so when the model asks (HF's
     ``model.activation_checkpointing_enable()``, formerly ``gradient_checkpointing_enable()``).
+
+    ``loss_fn(output, target)`` (torch pipelining's convention) is compiled in after the model, for a
+    model that returns logits: pass ``{"target": y}`` in ``example_kwargs`` and ``pm.step(x, target=y)``.
     """
     spec = mesh_spec(mesh)
     if options is None:
         options = CompileOptions(pins=pins or {}, loss_only=loss_only, dump=dump, disable=disable,
                                  mixed_precision=mixed_precision, fuse=fuse, loss_chunk_rows=loss_chunk_rows,
-                                 recompute=recompute)
+                                 recompute=recompute, loss_fn=loss_fn)
         if cost_model is not None:
             options.cost_model = cost_model
         options.pipeline = PipelineOptions(microbatches or 1, schedule, virtual_stages, pipeline_cuts, memory_limit,

@@ -49,7 +49,8 @@ def loss_node(gm: fx.GraphModule) -> fx.Node:
     if len(total) != 1:
         raise LossError(f"pm.step runs backward from the model's loss, but the model returns {len(scalars)} scalar "
                         "outputs, none of which is made from all the others: return exactly one loss (for an HF "
-                        "model pass labels=...), or call pm(...) and compute the loss yourself")
+                        "model pass labels=...), give parallelize a loss_fn(output, target) and call "
+                        "pm.step(x, target=y), or call pm(...) and compute the loss yourself")
     return total[0]
 
 

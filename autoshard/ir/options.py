@@ -111,6 +111,7 @@ class CompileOptions:
     fuse: bool | str = "auto"                         # generated Triton kernels: True, False, "auto" (on CUDA)
     loss_chunk_rows: int | str | None = "auto"        # LM head + loss chunked over tokens: rows per chunk, or None
     recompute: bool | str = "auto"                    # each layer recomputed in backward; "auto": the model's flag
+    loss_fn: object = None                            # loss_fn(model output, target): compiled in (torch pipelining's)
 
     def __post_init__(self):
         self.pins = dict(self.pins or {})
@@ -121,6 +122,9 @@ class CompileOptions:
         if self.recompute not in (True, False, "auto"):
             raise ValueError(f"recompute={self.recompute!r}: True (every layer keeps only its input and runs "
                              "again in backward), False, or 'auto' (as the model's is_gradient_checkpointing)")
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise ValueError(f"loss_fn={self.loss_fn!r} is not callable: give loss_fn(output, target) -> scalar, "
+                             "as torch.distributed.pipelining's schedules take")
         rows = self.loss_chunk_rows
         if not (rows is None or rows == "auto" or (isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0)):
             raise ValueError(f"loss_chunk_rows={rows!r}: rows per chunk of the LM head + loss are 'auto' (Liger's "
