@@ -371,3 +371,22 @@ def test_depthwise_conv_and_head_gates_shard_along_channels(t):
     local = {p.name: p.local_shape for p in prog.params}
     assert local["conv.weight"] == (16 // t, 1, 3) and local["gate_w"][0] == 4 // t, local
     assert not prog.report.unruled, prog.report.unruled
+
+
+class SqueezedBias(nn.Module):
+    """``bias.squeeze()`` of a ``(1, 4)`` parameter (ERNIE 4.5 MoE's router correction bias): at tp=4 a
+    shard of the 4 is 1 wide, and a local ``squeeze()`` would drop it too."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4, bias=False)
+        self.bias = nn.Parameter(torch.randn(1, 4))
+
+    def forward(self, x):
+        return (self.lin(x) + self.bias.squeeze()).sigmoid().sum()
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_squeeze_keeps_a_dim_that_is_one_wide_only_locally(t):
+    torch.manual_seed(0)
+    assert_same(SqueezedBias(), (torch.randn(3, 8),), t)

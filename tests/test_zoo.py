@@ -12,8 +12,9 @@ from tests.zoo import ZOO, build_zoo, tolerance
 
 
 # One of each new kind, in the fast suite: MoE with a dense MLP beside it and chunked attention (Llama 4),
-# latent attention (DeepSeek V3.2), a Mamba hybrid (Jamba), a short-conv hybrid (LFM2)
-FAST = ("llama4_text", "deepseek_v32", "jamba", "lfm2")
+# latent attention (DeepSeek V3.2), a Mamba hybrid (Jamba), a short-conv hybrid (LFM2), and a scan that
+# writes into views (Qwen3.5's gated delta rule, functionalized at capture)
+FAST = ("llama4_text", "deepseek_v32", "jamba", "lfm2", "qwen3_5_text")
 
 
 @pytest.mark.parametrize("name", FAST)
