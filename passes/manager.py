@@ -34,6 +34,7 @@ from autoshard.passes.overlap import overlap_grad_allreduce_pass
 from autoshard.passes.pipeline_split import pipeline_split_pass
 from autoshard.passes.plan import plan_pass
 from autoshard.passes.recompute import recompute_pass
+from autoshard.passes.stack_scans import stack_scans_pass
 from autoshard.passes.tp_rewrite import tp_rewrite_pass
 from autoshard.passes.unit_axis import drop_unit_axis_pass
 from autoshard.passes.validate import check_heads_pass, check_local_shapes_pass
@@ -67,6 +68,7 @@ CAPTURED = (M.KIND, M.NAME, M.REQUIRES_GRAD)   # what capture provides
 PASSES = [
     Pass("fill_slices", fill_slices_pass, "a fresh buffer filled slice by slice (DeepSeek's MLA keys) is one cat"),
     Pass("canonicalize", canonicalize_pass, "ops in the spelling the rules know; in-place ops made pure"),
+    Pass("stack_scans", stack_scans_pass, "a scan's chain of scatters that fills a buffer is one cat"),
     Pass("check_heads", check_heads_pass, "heads tp does not divide are an error before any work is done"),
     Pass("loss_only", loss_only_pass, "drop outputs before planning, so nothing is priced for gathering them"),
     Pass("microbatch_loss", microbatch_loss_pass,
