@@ -75,7 +75,7 @@ PASSES = [
          "pm.step: the mean cross-entropy as a sum, divided by the global count at run time (exact with ignore_index)"),
     Pass("pipeline_split", pipeline_split_pass,
          "pm.step: cut where the residual stream crosses (with small carried values), balanced by cost (plan.md: Pipeline)",
-         requires=(M.KIND, M.NAME)),
+         requires=(M.KIND, M.NAME), provides=(M.CUT,)),
     Pass("decompose_bias", decompose_bias_pass, "a row-parallel bias must be added after the all-reduce"),
     Pass("plan", plan_pass, "placements for every node, from the op rules and the ILP",
          requires=CAPTURED, provides=(M.STRATEGY, M.SPEC, M.REQUIRES_GRAD)),

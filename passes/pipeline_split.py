@@ -381,6 +381,9 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     costs, step, peak = predict(seg, cuts, schedule, tp, cm, cands)
     plan = StagePlan(stages, [cands[c - 1].boundary.name for c in cuts], costs, how, len(cands), count, step, peak,
                      stretches=list(cuts), carried=[tuple(a.name for a in cands[c - 1].carried) for c in cuts])
+    for c in cuts:
+        for value in cands[c - 1].values:
+            M.CUT.set(value, value.name)
     if stages > 1 and count >= stages:
         ucuts = uniform_cuts(count, stages)
         try:

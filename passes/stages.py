@@ -114,6 +114,12 @@ def split_chunks(gm: fx.GraphModule, plan: StagePlan) -> tuple:
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     by_name = {n.name: n for n in nodes}
+    renamed = {}
+    for n in nodes:   # a cut value a rewrite replaced under another name: its tag's last holder (the bias add
+        tag = M.CUT.get(n, None)                              # after its matmul when both copied the meta)
+        if tag is not None and tag not in by_name:
+            renamed[tag] = n
+    by_name.update(renamed)
     sent = [plan.sent(k) for k in range(len(plan.boundaries))]
     missing = [b for names in sent for b in names if b not in by_name]
     if missing:

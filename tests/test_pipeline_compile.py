@@ -239,3 +239,29 @@ def test_moe_aux_loss_plus_cross_entropy_is_exact_for_the_cross_entropy_term(num
     for name, p in pm.named_parameters():
         if grads[name].grad is not None:
             torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_cut_value_renamed_by_a_later_rewrite_is_found_by_its_tag(monkeypatch):
+    """Stage plans name the values they cut at. A rewrite that replaces such a node under another name
+    (copying its meta, as decompose_bias and overlap_grad_allreduce do) lost the cut before: "did not
+    survive the rewrite passes". The pipeline_split tag finds the replacement."""
+    from autoshard.ir import meta as M
+    from autoshard.passes import manager
+
+    def rename_cut_values(gm, ctx):
+        for n in [n for n in gm.graph.nodes if M.CUT.has(n)]:
+            with gm.graph.inserting_after(n):
+                twin = gm.graph.call_function(torch.ops.aten.clone.default, (n,))
+            twin.meta = dict(n.meta)
+            n.replace_all_uses_with(twin, delete_user_cb=lambda u: u is not twin)
+            n._rename(f"{n.name}_replaced")
+        gm.recompile()
+        return gm
+
+    model = build("gpt", n_layer=4)
+    at = next(i for i, p in enumerate(manager.PASSES) if p.name == "tp_rewrite") + 1
+    monkeypatch.setattr(manager, "PASSES", manager.PASSES[:at] + [manager.Pass("rename", rename_cut_values, "test")]
+                        + manager.PASSES[at:])
+    prog = compile_pp(model, *batch("gpt", 96, B=4))
+    c0, c1 = prog.chunks
+    assert c0.out_shape == c1.in_shape == (2, 8, 32)

@@ -51,7 +51,10 @@ LOCAL_VAL = MetaKey("autoshard_local_val", "check_local_shapes",
                     "a meta tensor of the node's local value: shape, dtype and strides on this rank")
 
 RECOMPUTE = MetaKey("autoshard_recompute", "recompute", "nodes of a recomputed region (one layer): its index")
-ALL = (KIND, NAME, REQUIRES_GRAD, STRATEGY, SPEC, GLOBAL_SHAPE, LOCAL_SHAPE, SOURCE, LOCAL_VAL, RECOMPUTE)
+CUT = MetaKey("autoshard_cut", "pipeline_split",
+              "a value a stage cut sends, under the name the stage plan gives it: found again by this tag when "
+              "a rewrite replaced the node under another name (copying its meta)")
+ALL = (KIND, NAME, REQUIRES_GRAD, STRATEGY, SPEC, GLOBAL_SHAPE, LOCAL_SHAPE, SOURCE, LOCAL_VAL, RECOMPUTE, CUT)
 
 # Graph-level facts live in ``GraphModule.meta`` under these keys.
 PLAN_REPORT = "autoshard_plan_report"
