@@ -13,7 +13,9 @@ NotImplementedError or autoshard's CaptureError/PlanError whose message names a 
 ATen op. Anything else (KeyError, AttributeError, a shape-check AssertionError, a mismatch) fails it.
 
 Tolerances (every one relative to the reference's max-abs, gradients with test_parity.py's floor):
-- fp32: 1e-5 on the loss, the logits and every gradient;
+- fp32: 1e-5 on the loss, the logits and every gradient; or, for a quantity above that, at most twice
+  the single-device fp32 model's own error, both measured against the model run in fp64 (a heavily
+  padded batch with qk-norm leaves gradients so small that fp32 itself is 2e-5 from fp64: case 261);
 - bf16: against the single-device bf16 model (same weights, cast): loss 2^-8, logits 2^-5, gradients
   2^-4. A tp rank sums its matmuls in other orders (row-parallel partial sums meet in an all-reduce),
   which in bf16 re-rounds every partial sum: a perturbation of the same size as running the model in
@@ -32,6 +34,7 @@ Tolerances (every one relative to the reference's max-abs, gradients with test_p
 """
 from __future__ import annotations
 
+import copy
 import random
 import time
 from collections import Counter
@@ -67,6 +70,14 @@ def _too_far(errs: dict, dtype: str) -> dict:
     return {k: (v, TOL[dtype][_kind(k)]) for k, v in errs.items() if not v <= TOL[dtype][_kind(k)]}
 
 
+def _rounding_only(model, kwargs, loss_fn, ref, results, bad: dict) -> bool:
+    """Whether every fp32 error in ``bad`` is rounding: against the model run in fp64, the parallel run
+    is within twice the single-device fp32 model's own error (a sharding bug is O(1), not 2x rounding)."""
+    exact = reference(copy.deepcopy(model).double(), kwargs, loss_fn)
+    ours, theirs = errors(exact, results), errors(exact, [ref])
+    return all(ours[k] <= max(bad[k][1], 2 * theirs["rank 0 " + k.split(" ", 2)[2]]) for k in bad)
+
+
 def run_case(index: int) -> list[str]:
     """Draw case ``index`` (its own seeded stream), run it at tp=2 and (when the heads allow) tp=4."""
     rejected = Counter()
@@ -99,14 +110,17 @@ def run_case(index: int) -> list[str]:
         else:
             errs = errors(ref, results)
             bad = _too_far(errs, cfg.dtype)
+            rounding = bool(bad) and cfg.dtype == "float32" and _rounding_only(model, kwargs, loss_fn, ref, results, bad)
+            bad = {} if rounding else bad
             worst = max(errs, key=errs.get)
             if bad:
                 k = max(bad, key=lambda k: bad[k][0] / bad[k][1])
                 outcome = f"MISMATCH {len(bad)}/{len(errs)} above tolerance, worst {k}: {bad[k][0]:.2e} > {bad[k][1]:.1e}"
                 failures.append((t, outcome))
             else:
-                outcome = f"exact (worst {errs[worst]:.1e}: {worst.split(' ', 2)[2]})"
-                OUTCOMES["exact"] += 1
+                how = "exact to fp32 rounding against fp64" if rounding else "exact"
+                outcome = f"{how} (worst {errs[worst]:.1e}: {worst.split(' ', 2)[2]})"
+                OUTCOMES[how] += 1
         lines.append(f"case {index:3d} tp={t} {cfg.describe()} B={B} T={T} pad={pad}: {outcome} [{time.perf_counter() - start:.1f}s]"
                      + (f" (rejected draws before it: {sum(rejected.values())})" if rejected else ""))
     for line in lines:
