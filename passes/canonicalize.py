@@ -90,6 +90,16 @@ def _copy(g, n):
     return out if out is not src else _emit(g, aten.clone.default, (src,), n)
 
 
+def _overwrite(g, n):
+    """``x.copy_(src)`` made pure: ``src`` scattered over all of ``x``, so ``x`` stays in the autograd graph
+    with a zero gradient, as eager's in-place copy leaves it (a parameter that fed only ``x`` gets zeros,
+    not None: an optimizer still decays it)."""
+    x = n.args[0]
+    if not shape_of(x):
+        return _emit(g, aten.add.Tensor, (_copy(g, n), _emit(g, aten.mul.Tensor, (x, 0), n)), n)
+    return _emit(g, aten.slice_scatter.default, (x, _copy(g, n)), n)
+
+
 REWRITES = {
     aten.copy.default: _copy,
     aten.chunk.default: _chunk,
@@ -133,6 +143,9 @@ def _functionalize(g, n) -> bool:
     with g.inserting_before(n):
         pure = g.call_function(target, n.args, dict(n.kwargs))
         pure.meta = dict(n.meta)
+        if target is aten.copy.default:
+            twin, pure = pure, _overwrite(g, pure)
+            g.erase_node(twin)
         dtype = x.meta["val"].dtype
         if target(*[_meta(a) for a in n.args], **n.kwargs).dtype != dtype:
             # the in-place op keeps x's dtype; its pure twin type-promotes: cast back as the write did

@@ -390,3 +390,23 @@ class SqueezedBias(nn.Module):
 def test_squeeze_keeps_a_dim_that_is_one_wide_only_locally(t):
     torch.manual_seed(0)
     assert_same(SqueezedBias(), (torch.randn(3, 8),), t)
+
+
+class Overwritten(nn.Module):
+    """``h.copy_(...)`` over a fresh matmul output: its functional twin ``copy`` has no derivative (a crash
+    in backward before), and eager leaves ``a`` a zero gradient, not None (an optimizer still decays it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        h.copy_(torch.tanh(self.b(x)))
+        return (h * h).sum()
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_a_copy_over_an_op_result_keeps_the_overwritten_weights_zero_gradient(t):
+    torch.manual_seed(0)
+    assert_same(Overwritten(), (torch.randn(2, 8),), t)
