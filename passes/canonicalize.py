@@ -78,7 +78,15 @@ def _broadcast_to(g, n):
 
 def _copy(g, n):
     """Functional ``copy(self, src)`` (what functionalization makes of ``x[...] = src``) has no
-    derivative: it is ``src`` cast to ``self``'s dtype and broadcast to its shape."""
+    derivative: it is ``src`` cast to ``self``'s dtype and broadcast to its shape. Into a view, the base
+    still flows through the scatter that follows; into a whole tensor, see ``_overwrite``."""
+    if not _may_alias(n.args[0]):
+        return _overwrite(g, n)
+    return _part(g, n)
+
+
+def _part(g, n):
+    """``copy(x, src)``'s value: ``src`` in ``x``'s dtype and shape."""
     x, src = n.args[0], n.args[1]
     out = src
     if val_dtype(src) != val_dtype(x):
@@ -94,10 +102,11 @@ def _overwrite(g, n):
     """``x.copy_(src)`` made pure: ``src`` scattered over all of ``x``, so ``x`` stays in the autograd graph
     with a zero gradient, as eager's in-place copy leaves it (a parameter that fed only ``x`` gets zeros,
     not None: an optimizer still decays it)."""
-    x = n.args[0]
-    if not shape_of(x):
-        return _emit(g, aten.add.Tensor, (_copy(g, n), _emit(g, aten.mul.Tensor, (x, 0), n)), n)
-    return _emit(g, aten.slice_scatter.default, (x, _copy(g, n)), n)
+    x, part = n.args[0], _part(g, n)
+    if shape_of(x):
+        return _emit(g, aten.slice_scatter.default, (x, part), n)
+    flat = [_emit(g, aten.reshape.default, (v, [1]), n) for v in (x, part)]   # a 0-d x: no x * 0 (inf * 0)
+    return _emit(g, aten.reshape.default, (_emit(g, aten.slice_scatter.default, tuple(flat), n), []), n)
 
 
 REWRITES = {
@@ -160,6 +169,23 @@ def _functionalize(g, n) -> bool:
     return True
 
 
+def _mask_unread(n) -> bool:
+    return all(u.target is operator.getitem and u.args[1] == 0 for u in n.users)
+
+
+def _plain_dropout(g, n):
+    """Functionalization spells ``dropout`` as ``native_dropout`` (output and mask); when only the output
+    is read, it is ``dropout`` again, the op the rules, the tp dropout warning and the per-rank RNG
+    rewrite know."""
+    train = n.args[2] if len(n.args) > 2 and n.args[2] is not None else True
+    with g.inserting_before(n):
+        plain = _emit(g, aten.dropout.default, (n.args[0], n.args[1], train), n)
+    for u in list(n.users):
+        u.replace_all_uses_with(plain)
+        g.erase_node(u)
+    g.erase_node(n)
+
+
 FP32_OPS = {aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.log_softmax, aten._log_softmax,
             aten.logsumexp, aten.mse_loss}
 
@@ -185,6 +211,9 @@ def canonicalize_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
             continue
         if mixed and getattr(n.target, "overloadpacket", None) in FP32_OPS:
             _loss_in_fp32(g, n)
+        if n.target is aten.native_dropout.default and _mask_unread(n):
+            _plain_dropout(g, n)
+            continue
         if n.target in REWRITES:
             with g.inserting_before(n):
                 new = REWRITES[n.target](g, n)

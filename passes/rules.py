@@ -133,6 +133,8 @@ def unsqueeze(node, ctx):
 def squeeze(node, ctx):
     """``squeeze`` (all size-1 dims, one, or a list): the kept dims keep their shards."""
     ishape = shape_of(node.args[0])
+    if not ishape:
+        return _permuting(node, ctx, [])     # a 0-d tensor: nothing to squeeze, nothing to shard
     dims = node.args[1] if len(node.args) > 1 else range(len(ishape))
     dims = {d % len(ishape) for d in ([dims] if isinstance(dims, int) else dims)}
     return _permuting(node, ctx, [d for d in range(len(ishape)) if not (d in dims and ishape[d] == 1)])

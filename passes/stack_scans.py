@@ -9,7 +9,8 @@ When the scatters form a chain (each buffer version read by nothing but the next
 one dim, and their positions cover that dim exactly once, no intermediate version can be observed and
 the first buffer's values are all overwritten. The last version is then exactly the written parts side
 by side: ``cat`` of the parts (a ``select`` part gets its dim back with ``unsqueeze``), which the rules
-shard on every other dim. Runs after ``canonicalize``, which turned each functional ``copy`` into the
+shard on every other dim. A first buffer that may carry a gradient stays, under one ``slice_scatter`` of
+the ``cat``: one copy instead of one per step. Runs after ``canonicalize``, which turned each functional ``copy`` into the
 part itself, and after dropping the views that only fed those copies' shapes.
 """
 from __future__ import annotations
@@ -24,6 +25,12 @@ from autoshard.passes.shapes import shape_of
 
 aten = torch.ops.aten
 SCATTERS = (aten.select_scatter.default, aten.slice_scatter.default)
+# Buffers made from nothing that carries a gradient: overwritten whole, they are dropped for the cat. Any
+# other first buffer (a learned initial state broadcast and cloned) stays under one slice_scatter, so
+# what made it gets zeros, as eager gives it, rather than no gradient.
+FRESH = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default, aten.empty.memory_format,
+         aten.empty_like.default, aten.new_empty.default, aten.full.default, aten.full_like.default,
+         aten.new_full.default, aten.ones_like.default, aten.new_ones.default}
 
 
 @dataclass(frozen=True)
@@ -112,6 +119,8 @@ def stack_scans_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
         with g.inserting_before(last):
             parts = [_part(g, w, dim, last.meta["val"].dtype) for w in sorted(writes, key=lambda w: w.start)]
             whole = _emit(g, aten.cat.default, (parts, dim), last)
+            if n.args[0].target not in FRESH:    # a base with a history: its gradient is zeros, not None
+                whole = _emit(g, aten.slice_scatter.default, (n.args[0], whole, dim), last)
         last.replace_all_uses_with(whole)
         for w in reversed(writes):
             g.erase_node(w.scatter)

@@ -114,12 +114,14 @@ def split_chunks(gm: fx.GraphModule, plan: StagePlan) -> tuple:
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     by_name = {n.name: n for n in nodes}
-    renamed = {}
-    for n in nodes:   # a cut value a rewrite replaced under another name: its tag's last holder (the bias add
-        tag = M.CUT.get(n, None)                              # after its matmul when both copied the meta)
-        if tag is not None and tag not in by_name:
-            renamed[tag] = n
-    by_name.update(renamed)
+    tagged = {}
+    for n in nodes:   # a cut value's tag's last holder (the bias add after its matmul, both copied the meta)
+        if M.CUT.has(n):
+            tagged[M.CUT.get(n)] = n
+    for name, n in tagged.items():
+        named = by_name.get(name)
+        if named is None or M.CUT.get(named, None) != name:   # renamed, or its name given to a helper
+            by_name[name] = n
     sent = [plan.sent(k) for k in range(len(plan.boundaries))]
     missing = [b for names in sent for b in names if b not in by_name]
     if missing:

@@ -170,7 +170,8 @@ def _lower(g, n, s, args, kwargs, t, rank, add_module):
     if packet is aten.squeeze:   # only the dims of size 1 in the whole tensor: a shard may be 1 locally
         ishape = shape_of(n.args[0])
         dims = n.args[1] if len(n.args) > 1 else range(len(ishape))
-        dims = [d % len(ishape) for d in ([dims] if isinstance(dims, int) else dims) if ishape[d % len(ishape)] == 1]
+        dims = [d % len(ishape) for d in ([dims] if isinstance(dims, int) else dims)
+                if ishape and ishape[d % len(ishape)] == 1]
         return g.call_function(aten.squeeze.dims, (args[0], dims))
     if packet in VIEW_OPS:
         args = (args[0], list(local_shape(shape_of(n), s.out, t))) + tuple(args[2:])
