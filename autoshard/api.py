@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import time
 from contextlib import contextmanager
 
@@ -93,6 +94,9 @@ def _with_loss(model, loss_fn, kwargs):
     if "target" not in kwargs:
         raise ValueError("loss_fn= is given but the example call has no target=: pass the targets as a keyword, "
                          "parallelize(model, mesh, (x,), {'target': y}, loss_fn=...), and pm.step(x, target=y)")
+    if "target" in inspect.signature(model.forward).parameters:
+        raise ValueError(f"loss_fn= takes target= for the loss, but {type(model).__name__}.forward has a 'target' "
+                         "parameter of its own: compute the loss in the model and drop loss_fn, or rename it")
     own = model.__dict__.get("forward")            # an instance-level forward (a hook library's) is kept
     inner = model.forward
 

@@ -70,3 +70,19 @@ def test_loss_fn_without_a_target_says_how_to_pass_one():
             loss_fn=next_token_loss, pipeline=PipelineOptions(microbatches=2)))
     with pytest.raises(ValueError, match="not callable"):
         CompileOptions(loss_fn="cross_entropy")
+
+
+class TakesTarget(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, target=None):
+        return self.lin(x)
+
+
+def test_loss_fn_refuses_a_model_whose_forward_takes_target_itself():
+    x = torch.randn(4, 4)
+    with pytest.raises(ValueError, match="forward has a 'target' parameter of its own"):
+        autoshard.compile_pipeline(TakesTarget(), {"pp": 1}, 0, (x,), {"target": x}, CompileOptions(
+            loss_fn=lambda out, y: F.mse_loss(out, y), pipeline=PipelineOptions(microbatches=2)))
