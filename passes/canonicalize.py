@@ -85,16 +85,25 @@ def _copy(g, n):
     return _part(g, n)
 
 
+def _cast(g, x, dtype, like):
+    """``x`` as ``dtype`` (``_to_copy``), with ``like``'s module stack."""
+    out = _emit(g, aten._to_copy.default, (x,), like)
+    out.kwargs = {"dtype": dtype}
+    out.meta["val"] = out.meta["val"].to(dtype)
+    return out
+
+
+def written_as(g, src, shape, dtype, like):
+    """``src`` as ``copy_`` writes it into a tensor of ``shape`` and ``dtype``: cast and broadcast, each
+    only when needed (``src`` itself when neither is)."""
+    out = src if val_dtype(src) == dtype else _cast(g, src, dtype, like)
+    return out if shape_of(out) == tuple(shape) else _emit(g, aten.expand.default, (out, list(shape)), like)
+
+
 def _part(g, n):
-    """``copy(x, src)``'s value: ``src`` in ``x``'s dtype and shape."""
+    """``copy(x, src)``'s value: ``src`` in ``x``'s dtype and shape (a new tensor, as the copy is)."""
     x, src = n.args[0], n.args[1]
-    out = src
-    if val_dtype(src) != val_dtype(x):
-        out = _emit(g, aten._to_copy.default, (out,), n)
-        out.kwargs = {"dtype": val_dtype(x)}
-        out.meta["val"] = out.meta["val"].to(val_dtype(x))
-    if shape_of(out) != shape_of(x):
-        out = _emit(g, aten.expand.default, (out, list(shape_of(x))), n)
+    out = written_as(g, src, shape_of(x), val_dtype(x), n)
     return out if out is not src else _emit(g, aten.clone.default, (src,), n)
 
 
@@ -158,9 +167,7 @@ def _functionalize(g, n) -> bool:
         dtype = x.meta["val"].dtype
         if target(*[_meta(a) for a in n.args], **n.kwargs).dtype != dtype:
             # the in-place op keeps x's dtype; its pure twin type-promotes: cast back as the write did
-            pure = _emit(g, aten._to_copy.default, (pure,), n)
-            pure.kwargs = {"dtype": dtype}
-            pure.meta["val"] = _meta(x)
+            pure = _cast(g, pure, dtype, n)
     for u in list(x.users):
         if u is not n and order.get(u, -1) > order[n]:   # (nodes made here are not in `order`)
             u.replace_input_with(x, pure)   # later reads see the written value
@@ -196,9 +203,7 @@ def _loss_in_fp32(g, n):
     if not isinstance(v, torch.Tensor) or v.dtype not in (torch.bfloat16, torch.float16):
         return
     with g.inserting_before(n):
-        up = _emit(g, aten._to_copy.default, (x,), n)
-    up.kwargs = {"dtype": torch.float32}
-    up.meta["val"] = torch.empty(v.shape, dtype=torch.float32, device="meta")
+        up = _cast(g, x, torch.float32, n)
     n.replace_input_with(x, up)
     n.meta["val"] = n.target(*[_meta(a) for a in n.args], **n.kwargs)
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autoshard.passes.canonicalize import _emit
-from autoshard.passes.shapes import shape_of, writes_in_place
+from autoshard.passes.canonicalize import _emit, written_as
+from autoshard.passes.shapes import shape_of, slice_bounds, writes_in_place
 
 aten = torch.ops.aten
 
@@ -52,16 +52,11 @@ def _slice_write(buffer: fx.Node, view: fx.Node) -> tuple[int, SliceWrite] | Non
     write = next(iter(view.users))
     if write.target is not aten.copy_.default or write.args[0] is not view or len(write.users) != 0:
         return None
-    args = list(view.args) + [0, None, None, 1][len(view.args) - 1:]
-    dim, start, end, step = args[1:5]
-    if step != 1:
+    bounds = slice_bounds(shape_of(buffer), *(list(view.args) + [0, None, None, 1][len(view.args) - 1:])[1:5])
+    if bounds is None:
         return None
-    rank = len(shape_of(buffer))
-    dim = dim % rank
-    full = shape_of(buffer)[dim]
-    start = 0 if start is None else (start + full if start < 0 else start)
-    end = full if end is None else (end + full if end < 0 else end)
-    return dim, SliceWrite(view, write, max(0, min(start, full)), max(0, min(end, full)))
+    dim, start, end = bounds
+    return dim, SliceWrite(view, write, start, end)
 
 
 def _assembly(buffer: fx.Node, nodes: list, order: dict) -> tuple[int, list[SliceWrite], list[fx.Node]] | None:
@@ -98,17 +93,7 @@ def _assembly(buffer: fx.Node, nodes: list, order: dict) -> tuple[int, list[Slic
 
 def _part(g: fx.Graph, w: SliceWrite, buffer: fx.Node) -> fx.Node:
     """The source as the slice holds it: broadcast to the slice's shape, in the buffer's dtype."""
-    part = w.source
-    want = list(shape_of(w.view))
-    if list(shape_of(part)) != want:
-        part = _emit(g, aten.expand.default, (part, want), w.write)
-    dtype = buffer.meta["val"].dtype
-    if part.meta["val"].dtype != dtype:
-        cast = _emit(g, aten._to_copy.default, (part,), w.write)
-        cast.kwargs = {"dtype": dtype}
-        cast.meta["val"] = cast.meta["val"].to(dtype)
-        part = cast
-    return part
+    return written_as(g, w.source, shape_of(w.view), buffer.meta["val"].dtype, w.write)
 
 
 def fill_slices_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:

@@ -18,7 +18,7 @@ import torch
 
 from autoshard.ir.placement import P, R, Shard, shardable
 from autoshard.passes.rules_vocab import cross_entropy, embedding, logsumexp
-from autoshard.passes.shapes import map_shard_through_view, shape_of, val
+from autoshard.passes.shapes import map_shard_through_view, shape_of, squeezed_dims, val
 from autoshard.passes.strategy import RuleContext, Strategy, _ins, _replicated, shard_options
 
 __all__ = ["RULES", "POINTWISE", "VIEW_OPS", "RuleContext", "Strategy", "strategies_for", "block_hints",
@@ -132,12 +132,8 @@ def unsqueeze(node, ctx):
 
 def squeeze(node, ctx):
     """``squeeze`` (all size-1 dims, one, or a list): the kept dims keep their shards."""
-    ishape = shape_of(node.args[0])
-    if not ishape:
-        return _permuting(node, ctx, [])     # a 0-d tensor: nothing to squeeze, nothing to shard
-    dims = node.args[1] if len(node.args) > 1 else range(len(ishape))
-    dims = {d % len(ishape) for d in ([dims] if isinstance(dims, int) else dims)}
-    return _permuting(node, ctx, [d for d in range(len(ishape)) if not (d in dims and ishape[d] == 1)])
+    gone = squeezed_dims(node)
+    return _permuting(node, ctx, [d for d in range(len(shape_of(node.args[0]))) if d not in gone])
 
 
 def expand(node, ctx):

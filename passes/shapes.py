@@ -21,6 +21,27 @@ def shape_of(node):
     return tuple(int(s) for s in v.shape) if isinstance(v, torch.Tensor) else None
 
 
+def slice_bounds(shape, dim, start, end, step) -> tuple[int, int, int] | None:
+    """``(dim, start, end)`` of ``slice(dim, start, end, step)`` on a tensor of ``shape``: the dim and
+    bounds made non-negative and clipped, as Python slicing does; None for a step other than 1."""
+    if step != 1:
+        return None
+    dim = dim % len(shape)
+    full = shape[dim]
+    start = 0 if start is None else (start + full if start < 0 else start)
+    end = full if end is None else (end + full if end < 0 else end)
+    return dim, max(0, min(start, full)), max(0, min(end, full))
+
+
+def squeezed_dims(node) -> list[int]:
+    """The dims ``squeeze`` removes: of those it names (all, by default), the ones of size 1 in the whole
+    tensor (a shard may be 1 wide locally where the tensor is not)."""
+    shape = shape_of(node.args[0])
+    dims = node.args[1] if len(node.args) > 1 else range(len(shape))
+    dims = {d % len(shape) for d in ([dims] if isinstance(dims, int) else dims)} if shape else set()
+    return sorted(d for d in dims if shape[d] == 1)
+
+
 def view_groups(in_shape, out_shape):
     """Pair up dims of a contiguous reshape: ``[(in_dims, out_dims), ...]`` with equal products.
 

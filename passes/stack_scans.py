@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autoshard.passes.canonicalize import _emit
-from autoshard.passes.shapes import shape_of
+from autoshard.passes.canonicalize import _emit, written_as
+from autoshard.passes.shapes import shape_of, slice_bounds
 
 aten = torch.ops.aten
 SCATTERS = (aten.select_scatter.default, aten.slice_scatter.default)
@@ -52,15 +52,11 @@ def _write(n: fx.Node) -> tuple[int, Write] | None:
         dim, index = n.args[2] % len(size), n.args[3]
         index = index + size[dim] if index < 0 else index
         return dim, Write(n, index, index + 1)
-    args = list(n.args) + [0, None, None, 1][len(n.args) - 2:]
-    dim, start, end, step = args[2:6]
-    dim = dim % len(size)
-    if step != 1:
+    bounds = slice_bounds(size, *(list(n.args) + [0, None, None, 1][len(n.args) - 2:])[2:6])
+    if bounds is None:
         return None
-    full = size[dim]
-    start = 0 if start is None else (start + full if start < 0 else start)
-    end = full if end is None else (end + full if end < 0 else end)
-    return dim, Write(n, max(0, min(start, full)), max(0, min(end, full)))
+    dim, start, end = bounds
+    return dim, Write(n, start, end)
 
 
 def _chain(first: fx.Node) -> tuple[int, list[Write]] | None:
@@ -92,11 +88,7 @@ def _part(g: fx.Graph, w: Write, dim: int, dtype) -> fx.Node:
     part = w.part
     if w.scatter.target is aten.select_scatter.default:
         part = _emit(g, aten.unsqueeze.default, (part, dim), w.scatter)
-    if part.meta["val"].dtype != dtype:
-        part = _emit(g, aten._to_copy.default, (part,), w.scatter)
-        part.kwargs = {"dtype": dtype}
-        part.meta["val"] = part.meta["val"].to(dtype)
-    return part
+    return written_as(g, part, shape_of(part), dtype, w.scatter)
 
 
 def stack_scans_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:

@@ -25,7 +25,7 @@ from autoshard.ir.placement import Replicate, Shard, local_shape, shard_range
 from autoshard.passes.plan import partial_grad_use
 from autoshard.passes.rules import VIEW_OPS, _split_sizes
 from autoshard.passes.rules_vocab import cross_entropy_args, logsumexp_dims
-from autoshard.passes.shapes import shape_of, val
+from autoshard.passes.shapes import shape_of, squeezed_dims, val
 
 aten = torch.ops.aten
 
@@ -168,11 +168,7 @@ def _lower(g, n, s, args, kwargs, t, rank, add_module):
     if s.lowering == "depthwise_channels":   # one filter per channel: as many groups as local channels
         return g.call_function(n.target, tuple(args[:6]), dict(kwargs, groups=shape_of(n.args[0])[1] // t))
     if packet is aten.squeeze:   # only the dims of size 1 in the whole tensor: a shard may be 1 locally
-        ishape = shape_of(n.args[0])
-        dims = n.args[1] if len(n.args) > 1 else range(len(ishape))
-        dims = [d % len(ishape) for d in ([dims] if isinstance(dims, int) else dims)
-                if ishape and ishape[d % len(ishape)] == 1]
-        return g.call_function(aten.squeeze.dims, (args[0], dims))
+        return g.call_function(aten.squeeze.dims, (args[0], squeezed_dims(n)))
     if packet in VIEW_OPS:
         args = (args[0], list(local_shape(shape_of(n), s.out, t))) + tuple(args[2:])
         if packet is not aten.expand:
