@@ -10,7 +10,7 @@
 
 docs/architecture.md describes the data flow and where each concern lives.
 """
-from autoshard.api import compile_pipeline, compile_rank, parallelize
+from autoshard.api import compile_options, compile_pipeline, compile_rank, parallelize
 from autoshard.checkpoint import load, save
 from autoshard.ir import (CompileOptions, CostModel, DistSpec, MeshSpec, Partial, Program, Replicate, Shard)
 from autoshard.launcher import RankError, launch
@@ -21,6 +21,6 @@ from autoshard.runtime.data_parallel import local_batch
 from autoshard.runtime.module import ParallelModule
 from autoshard.runtime.pipeline import PipelineError, PipelineModule
 
-__all__ = ["init_mesh", "parallelize", "compile_rank", "compile_pipeline", "PipelineModule", "PipelineOptions",
+__all__ = ["init_mesh", "parallelize", "compile_rank", "compile_pipeline", "compile_options", "PipelineModule", "PipelineOptions",
            "PipelineError", "local_batch", "data_parallel_rank", "save", "load", "launch", "RankError", "Program", "ParallelModule", "CompileOptions",
            "MeshSpec", "CostModel", "DistSpec", "Shard", "Replicate", "Partial"]

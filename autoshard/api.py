@@ -140,15 +140,43 @@ def _rank_dump_dir(options: CompileOptions, rank: int) -> str | None:
     return f"{out}/rank{rank}" if out and rank != 0 else out
 
 
+def compile_options(*, pins: dict | None = None, loss_only: bool = False, dump: str | None = None,
+                    cost_model=None, disable=(), mixed_precision: str | None = None, microbatches: int | None = None,
+                    schedule: str = "1f1b", virtual_stages: int = 1, pipeline_cuts=None, memory_limit=None,
+                    zero: int = 0, fuse: bool | str = "auto", loss_chunk_rows="auto", recompute: bool | str = "auto",
+                    loss_fn=None) -> CompileOptions:
+    """The one ``CompileOptions`` that ``parallelize``'s keywords (documented there) describe; the
+    compile-only entry points take the same keywords, so a dump made without processes is the program
+    ``parallelize`` would run."""
+    options = CompileOptions(pins=pins or {}, loss_only=loss_only, dump=dump, disable=disable,
+                             mixed_precision=mixed_precision, fuse=fuse, loss_chunk_rows=loss_chunk_rows,
+                             recompute=recompute, loss_fn=loss_fn)
+    if cost_model is not None:
+        options.cost_model = cost_model
+    options.pipeline = PipelineOptions(microbatches or 1, schedule, virtual_stages, pipeline_cuts, memory_limit, zero)
+    return options
+
+
+def _options(options: CompileOptions | None, keywords: dict, entry: str) -> CompileOptions | None:
+    if keywords and options is not None:
+        raise TypeError(f"{entry}: give the options as keywords ({', '.join(sorted(keywords))}) or as options=, "
+                        "not both")
+    return compile_options(**keywords) if keywords else options
+
+
 def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwargs=None,
                  options: CompileOptions | None = None, captured: Captured | None = None,
-                 training: bool | None = None) -> Program:
+                 training: bool | None = None, **keywords) -> Program:
     """Compile ``model`` for global ``rank`` of ``mesh`` (a DeviceMesh, a MeshSpec or ``{"tp": 4}``), in
     ``training`` mode (default: the model's current mode).
 
     No collective runs and no process group is touched: the program's parallel ops name their mesh axis
-    and are bound when it is instantiated (``ParallelModule(program, model, comms)``).
+    and are bound when it is instantiated (``ParallelModule(program, model, comms)``). The options are
+    ``options=`` or ``parallelize``'s keywords (``loss_only=True``, ``dump="d"``, ...).
     """
+    options = _options(options, keywords, "compile_rank")
+    if keywords:
+        options = dataclasses.replace(options, pipeline=None)
     options = _recompute_resolved(options or CompileOptions(), model)
     spec = mesh_spec(mesh)
     if spec.pp > 1 and options.pipeline is None:
@@ -172,14 +200,15 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
 
 
 def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example_kwargs=None,
-                     options: CompileOptions | None = None, training: bool = True) -> PipelineProgram:
+                     options: CompileOptions | None = None, training: bool = True, **keywords) -> PipelineProgram:
     """Compile ``model``'s training step for global ``rank`` of ``mesh`` as a pipeline of ``pp x v`` stages
     over ``options.pipeline.microbatches`` microbatches. The example inputs are the whole batch.
 
     The model is captured on one microbatch and planned for tensor parallelism as one graph (so every
     boundary and every tied weight has one placement), then cut into stages (``passes/stages.py``). Every
-    rank compiles every stage, so all ranks agree on the plan; each runs its own."""
-    options = options or CompileOptions(pipeline=PipelineOptions())
+    rank compiles every stage, so all ranks agree on the plan; each runs its own. The options are
+    ``options=`` or ``parallelize``'s keywords (``microbatches=8, schedule="interleaved"``, ...)."""
+    options = _options(options, keywords, "compile_pipeline") or CompileOptions(pipeline=PipelineOptions())
     if options.pipeline is None:
         options = dataclasses.replace(options, pipeline=PipelineOptions())
     options = _recompute_resolved(dataclasses.replace(options, loss_only=True), model)
@@ -257,13 +286,11 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     """
     spec = mesh_spec(mesh)
     if options is None:
-        options = CompileOptions(pins=pins or {}, loss_only=loss_only, dump=dump, disable=disable,
-                                 mixed_precision=mixed_precision, fuse=fuse, loss_chunk_rows=loss_chunk_rows,
-                                 recompute=recompute, loss_fn=loss_fn)
-        if cost_model is not None:
-            options.cost_model = cost_model
-        options.pipeline = PipelineOptions(microbatches or 1, schedule, virtual_stages, pipeline_cuts, memory_limit,
-                                           zero)
+        options = compile_options(pins=pins, loss_only=loss_only, dump=dump, cost_model=cost_model, disable=disable,
+                                  mixed_precision=mixed_precision, microbatches=microbatches, schedule=schedule,
+                                  virtual_stages=virtual_stages, pipeline_cuts=pipeline_cuts,
+                                  memory_limit=memory_limit, zero=zero, fuse=fuse, loss_chunk_rows=loss_chunk_rows,
+                                  recompute=recompute, loss_fn=loss_fn)
     real_mesh = hasattr(mesh, "get_group")
     if spec.size > 1 and not real_mesh:
         raise ValueError("parallelize needs a DeviceMesh from autoshard.init_mesh for more than one rank; "

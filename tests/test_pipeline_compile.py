@@ -49,6 +49,25 @@ def test_pipeline_cuts_override_and_uneven_layers():
                                    CompileOptions(pipeline=PipelineOptions(microbatches=2, cuts=(5,))))
 
 
+def test_compile_only_entry_points_take_parallelizes_keywords():
+    """compile_rank and compile_pipeline take the keywords parallelize takes (one builder makes the options),
+    so a compile-only dump is the program parallelize would run; giving both forms is an error."""
+    args = batch("gpt", 96, B=4)
+    prog = autoshard.compile_pipeline(build("gpt", n_layer=5), {"pp": 2}, 0, *args, microbatches=2, pipeline_cuts=[1])
+    assert prog.plan.how == "pipeline_cuts" and [c.layers for c in prog.plan.costs] == [(0,), (1, 2, 3, 4)]
+    assert prog.options.pipeline.microbatches == 2
+    inter = autoshard.compile_pipeline(build("gpt", n_layer=4), {"pp": 2}, 0, *args, microbatches=2,
+                                       schedule="interleaved", virtual_stages=2)
+    assert len(inter.chunks) == 4 and [c.index for c in inter.own] == [0, 2]    # pp x v chunks; rank 0 runs two
+    tp = autoshard.compile_rank(build("gpt", n_layer=1), {"tp": 2}, 0, *batch("gpt", 96), loss_only=True)
+    assert tp.options.loss_only and tp.options.pipeline is None
+    with pytest.raises(TypeError, match="as keywords .*loss_only.* or as options=, not both"):
+        autoshard.compile_rank(build("gpt", n_layer=1), {"tp": 2}, 0, *batch("gpt", 96), CompileOptions(),
+                               loss_only=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'microbatch'"):
+        autoshard.compile_pipeline(build("gpt", n_layer=1), {"pp": 2}, 0, *args, microbatch=2)
+
+
 def test_balancer_shortens_the_stages_of_a_heavy_head():
     """GPT-2 small's vocabulary (50304) on a narrow model (h=256): the LM head and its loss cost several
     layers, so the cost model gives the last stage fewer layers than a uniform split, and predicts a
