@@ -22,7 +22,7 @@ from autoshard.ir.options import CompileOptions, PipelineOptions, dump_dir
 from autoshard.ir.pipeline import LOSS_REWRITE, STAGE_PLAN, PipelineProgram
 from autoshard.ir.program import Captured, Program
 from autoshard.ir.schedule import add_communication, validate
-from autoshard.mesh import mesh_spec
+from autoshard.mesh import group_timeout, mesh_spec
 from autoshard.passes import dump as D
 from autoshard.passes.capture import capture
 from autoshard.passes.dump_pipeline import write_pipeline
@@ -242,7 +242,7 @@ def _tie_groups(spec, rank: int, ties: dict) -> dict:
         for dp in range(spec.dp):
             for tp in range(spec.tp):
                 members = [spec.rank_of({"dp": dp, "pp": r, "tp": tp}) for r in ranks]
-                group = dist.new_group(members)
+                group = dist.new_group(members, timeout=group_timeout())
                 if rank in members and (dp, tp) == (coords["dp"], coords["tp"]):
                     mine[ranks] = group
     return {name: mine[tuple(r)] for name, r in ties.items() if tuple(r) in mine}

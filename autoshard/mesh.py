@@ -27,13 +27,33 @@ def init_mesh(tp: int = 1, dp: int = 1, pp: int = 1) -> DeviceMesh:
                                "torch.distributed.init_process_group first")
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo",
-                                timeout=datetime.timedelta(seconds=pg_timeout_seconds()))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=group_timeout())
     world = dist.get_world_size()
     if spec.size != world:
         raise ValueError(f"mesh dp={dp} x pp={pp} x tp={tp} = {spec.size} ranks, but the world has {world}: "
                          f"make the product of the axis sizes equal the number of processes")
-    return init_device_mesh("cuda" if cuda else "cpu", (dp, pp, tp), mesh_dim_names=AXES)
+    return init_device_mesh("cuda" if cuda else "cpu", (dp, pp, tp), mesh_dim_names=AXES,
+                            backend_override=_bounded_axes())
+
+
+def group_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=pg_timeout_seconds())
+
+
+def _bounded_axes() -> dict | None:
+    """Each axis's process group with ``AUTOSHARD_TIMEOUT`` too: ``new_group`` (which the mesh calls per
+    axis) takes torch's default (30 min on gloo, 10 on NCCL), not the world group's, so a dead tp, dp or pp
+    peer would otherwise hang its group's collectives that long. None for a backend we have no options
+    type for (the mesh then keeps torch's defaults)."""
+    backend = dist.get_backend()
+    make = {"gloo": getattr(dist.ProcessGroupGloo, "_Options", None) if hasattr(dist, "ProcessGroupGloo") else None,
+            "nccl": getattr(dist.ProcessGroupNCCL, "Options", None) if hasattr(dist, "ProcessGroupNCCL") else None
+            }.get(backend)
+    if make is None:
+        return None
+    opts = make()
+    opts._timeout = group_timeout()
+    return {axis: (backend, opts) for axis in AXES}
 
 
 def mesh_spec(mesh) -> MeshSpec:

@@ -2,7 +2,9 @@
 model on the whole batch, then optimizer steps (shared by tests/test_pipeline.py and the demo checks)."""
 from __future__ import annotations
 
+import contextlib
 import copy
+from unittest import mock
 
 import torch
 
@@ -36,6 +38,24 @@ def _loss(kind, out):
     return out.loss if kind == "family" else loss_and_logits(kind, out)[0]
 
 
+class _CoalescedWork:
+    """NCCL's answer to ``batch_isend_irecv``: one work for the whole batch, done when all its transfers
+    are (and, like NCCL's, safe to wait on again: a gloo work waited twice waits for another transfer)."""
+    def __init__(self, works):
+        self.works, self.done = works, None
+
+    def wait(self, timeout=None):
+        if self.done is None:
+            self.done = all(w.wait(timeout) is not False for w in self.works)
+        return self.done
+
+
+def _coalesced(batch_isend_irecv):
+    def one_work(ops):
+        return [_CoalescedWork(batch_isend_irecv(ops))]
+    return one_work
+
+
 def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
     """Per step: |loss - ref| / |ref| and the largest gradient error (relative to the largest gradient);
     then the final parameters' error, and whether tied copies stayed bit-identical."""
@@ -43,7 +63,8 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
     clip = options.pop("clip", None)      # clip every step with pm.clip_grad_norm_ (the norm over all stages)
     zero = options.get("zero", 0)         # ZeRO-1: pm.optimizer shards AdamW's state over dp
     accumulate = options.pop("accumulate", False)   # two pm.step calls per optimizer step, no zero_grad
-    late = options.pop("late_receives", False)      # each receive posted at its action, as on NCCL
+    late = options.pop("late_receives", False)      # each receive posted at its action, and one work per batch
+                                                    # of transfers (NCCL coalesces a batch_isend_irecv), as on NCCL
     bucket = options.pop("bucket_bytes", None)      # dp buckets of this size, the first too (many all-reduces)
     model, vocab = build_model(kind, cfg)
     ref = copy.deepcopy(model)
@@ -114,4 +135,10 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
 
 def run_configs(rank, world, configs):
     """Several parity runs in one process group: ``[(kind, mesh, options, cfg)]`` -> results."""
-    return [pipeline_parity(rank, world, *c) for c in configs]
+    results = []
+    for c in configs:
+        nccl_like = c[2].get("late_receives", False)
+        with mock.patch.object(torch.distributed, "batch_isend_irecv", _coalesced(torch.distributed.batch_isend_irecv)) \
+                if nccl_like else contextlib.nullcontext():
+            results.append(pipeline_parity(rank, world, *c))
+    return results

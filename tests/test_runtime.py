@@ -121,23 +121,25 @@ def test_runtime_features():
 
 def _hang(rank, world):
     os.environ["AUTOSHARD_TIMEOUT"] = "3"
-    autoshard.init_mesh(tp=world)
+    mesh = autoshard.init_mesh(tp=world)
     if rank == 1:
-        time.sleep(8)  # never joins the collective below
+        time.sleep(14)  # never joins the collectives below
         return None
-    start = time.monotonic()
-    try:
-        dist.all_reduce(torch.ones(1))
-    except Exception as e:  # gloo raises once the process-group timeout expires
-        return time.monotonic() - start, type(e).__name__
-    return None
+    waited = []
+    for group in (None, mesh.get_group("tp")):   # the world group, then the tp axis's own group
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1), group=group)
+        except Exception as e:  # noqa: BLE001 - gloo raises once the group's timeout expires
+            waited.append((time.monotonic() - start, type(e).__name__))
+    return waited
 
 
 def test_collective_timeout_is_bounded():
-    """A rank waiting on a collective its peer never joins fails after AUTOSHARD_TIMEOUT, not never."""
+    """A rank waiting on a collective its peer never joins fails after AUTOSHARD_TIMEOUT, not never: on the
+    world group and on a mesh axis's group (which new_group would give torch's 30-minute default)."""
     results = run_distributed(_hang, 2, timeout=60, init_pg=False)
-    waited, _ = results[0]
-    assert waited < 8
+    assert len(results[0]) == 2 and all(waited < 6 for waited, _ in results[0]), results[0]
 
 
 def test_program_cache_keeps_the_most_recently_used_and_closes_the_rest():
@@ -167,3 +169,45 @@ def test_batch_fingerprint_has_one_size_and_compares_nans():
     assert fingerprint([a]).shape == fingerprint([a, a, torch.ones(5)]).shape == (6,)
     assert not torch.equal(fingerprint([a]), fingerprint([a.flip(0)]))            # same sum, other order
     assert not torch.equal(fingerprint([a.reshape(4)]), fingerprint([a]))         # same values, other shape
+
+
+def test_buffers_of_a_model_built_on_meta_are_rebuilt_as_the_model_would():
+    """A model built under torch.device("meta") has meta buffers too. HF's non-persistent rotary inv_freq is
+    recomputed (its _init_weights, as from_pretrained does), so the meta-built model, given the real
+    weights, computes the real loss; a persistent buffer nothing rebuilds starts at zeros (warned) and is
+    loaded; a non-persistent one nothing rebuilds is an error naming it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(cfg)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (2, 8))
+    call = dict(input_ids=ids, labels=ids, use_cache=False)
+    pm = autoshard.parallelize(model, {"tp": 1}, (), call)
+    pm.load_full_state_dict(ref.state_dict(), strict=False)
+    assert abs(float(pm(**call).loss) - float(ref(**call).loss)) <= 1e-6 * float(ref(**call).loss)
+
+    class Scaled(torch.nn.Module):
+        def __init__(self, persistent):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+            self.register_buffer("scale", torch.full((4,), 2.0), persistent=persistent)
+
+        def forward(self, x):
+            return (self.lin(x) * self.scale).sum()
+
+    x = torch.randn(2, 4)
+    torch.manual_seed(0)
+    real = Scaled(True)
+    with torch.device("meta"):
+        saved = Scaled(True)
+    with pytest.warns(UserWarning, match="buffer 'scale' .* starts at zeros; load it with load_full_state_dict"):
+        pm = autoshard.parallelize(saved, {"tp": 1}, (x,))
+    pm.load_full_state_dict(real.state_dict())
+    assert torch.allclose(pm(x), real(x))
+    with torch.device("meta"):
+        lost = Scaled(False)
+    with pytest.raises(ValueError, match="buffer 'scale' of '' \\(Scaled\\) is on the meta device and is not saved"):
+        autoshard.parallelize(lost, {"tp": 1}, (x,))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from autoshard.runtime.comm import collective_device
+
 CHECKED_CALLS = 2            # the first calls of each program: a mistake in a data loader shows at once
 
 
@@ -55,7 +57,7 @@ def check_same_batch(comms: dict, leaves: list, where: str) -> None:
         if comm is None or comm.size == 1 or group is None:
             continue                    # one rank, or the in-process simulator's threads
         if mine is None:
-            mine = fingerprint(leaves)
+            mine = fingerprint(leaves).to(collective_device())   # a CPU batch under NCCL too
         every = [torch.empty_like(mine) for _ in range(comm.size)]
         dist.all_gather(every, mine, group=group)
         differ = [r for r in range(comm.size) if not torch.equal(every[r], every[0])]

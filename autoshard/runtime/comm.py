@@ -14,6 +14,15 @@ import torch
 import torch.distributed as dist
 
 
+def collective_device() -> torch.device:
+    """Where a tensor must live for the process groups' collectives: NCCL takes only CUDA tensors (the
+    current device), gloo CPU ones. For the small tensors a rank makes itself (a norm with no gradients, a
+    batch fingerprint), whatever device the model's tensors are on."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 @dataclass
 class Tracer:
     calls: Counter = field(default_factory=Counter)   # (axis, phase, kind) -> calls

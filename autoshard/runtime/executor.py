@@ -132,6 +132,8 @@ class Run:
         if not self.pending:
             return
         works = dist.batch_isend_irecv([op for _, op, _ in self.pending])
+        if len(works) != len(self.pending):   # NCCL coalesces the batch into one work: each transfer waits on it
+            works = [works[0]] * len(self.pending)
         for (a, _, tensor), work in zip(self.pending, works):
             if a.kind in (Kind.SEND_F, Kind.SEND_B):
                 self.sends.append((a, work, tensor))

@@ -26,7 +26,7 @@ from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch
 from autoshard.runtime.bind import bind
 from autoshard.runtime.comm import AxisComm
 from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
-from autoshard.runtime.params import ShardedParameters
+from autoshard.runtime.params import ShardedParameters, model_buffers
 from autoshard.runtime.program_cache import ProgramCache
 
 log = logging.getLogger("autoshard")
@@ -68,7 +68,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
                                  f"compiled for rank {coords[a]} of {program.mesh.axis_size(a)}")
         self.params = ShardedParameters(program.params, model, self.comms["tp"], tp_mesh)
         self.aliases = dict(program.captured.aliases)
-        self._model_buffers = dict(model.named_buffers())
+        self._model_buffers = model_buffers(model)      # a buffer on meta rebuilt, as the model would
         self._persistent = set(model.state_dict().keys())
         self._buffer_names = []              # the model's buffers, registered as b0, b1, ... (names may hold "__")
         self._buffer_attr = {}               # buffer name -> its attribute (b0, b1, ...)

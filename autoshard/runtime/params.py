@@ -207,9 +207,54 @@ class ShardedParameters(nn.Module):
         scratch = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
         if hasattr(scratch, "reset_parameters"):
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(zlib.crc32(name.encode()))
+                torch.random.default_generator.manual_seed(zlib.crc32(name.encode()))   # CPU only: CUDA streams untouched
                 scratch.reset_parameters()
         else:
             warnings.warn(f"parameter '{name}' is on the meta device and {type(owner).__name__} has no "
                           "reset_parameters(): it starts uninitialised; load weights with load_full_state_dict")
         return getattr(scratch, leaf).detach()
+
+
+@torch.no_grad()
+def model_buffers(model: nn.Module) -> dict:
+    """The model's buffers by name, as a program reads them: real tensors. A buffer on ``meta`` (a model
+    built under ``torch.device("meta")``) is rebuilt on a scratch copy of its module, the way the model
+    itself would: HF's ``_init_weights`` recomputes a rotary ``inv_freq`` (what ``from_pretrained`` does for
+    its non-persistent buffers), a torch module's ``reset_parameters`` resets BatchNorm statistics. A
+    persistent buffer neither rebuilds starts at zeros, with a warning, for ``load_full_state_dict``; a
+    non-persistent one (no checkpoint holds it) is an error naming it, before any collective."""
+    out = {}
+    persistent = set(model.state_dict().keys())
+    for name, b in model.named_buffers():
+        out[name] = b if not b.is_meta else _rebuilt_buffer(model, name, b, name in persistent)
+    return out
+
+
+def _rebuilt_buffer(model, name, b, persistent):
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    scratch = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
+    value = getattr(scratch, leaf)
+    if value.is_floating_point():
+        value.fill_(float("nan"))              # what no init wrote stays NaN
+    tried = []
+    for how, init in (("_init_weights", getattr(model, "_init_weights", None)),
+                      ("reset_parameters", getattr(scratch, "reset_parameters", None))):
+        if not callable(init):
+            continue
+        tried.append(how)
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.manual_seed(zlib.crc32(name.encode()))
+            init(scratch) if how == "_init_weights" else init()
+        value = getattr(scratch, leaf)
+        if value.is_floating_point() and not bool(value.isnan().all()):
+            return value.detach()
+    if persistent or not value.is_floating_point():
+        warnings.warn(f"buffer '{name}' ({type(owner).__name__}) is on the meta device and "
+                      f"{' or '.join(tried) or 'no init'} rebuilds it: it starts at zeros; load it with "
+                      "load_full_state_dict")
+        return torch.zeros_like(value)
+    raise ValueError(f"buffer '{name}' of '{owner_name}' ({type(owner).__name__}) is on the meta device and is not "
+                     f"saved in a state dict, and {' or '.join(tried) or 'nothing'} rebuilds it: build the model "
+                     "with that buffer on a real device (create it after leaving the meta context), or give "
+                     f"{type(owner).__name__} a reset_parameters() that computes it")

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard.ir.placement import Shard
-from autoshard.runtime.comm import CommCounting
+from autoshard.runtime.comm import CommCounting, collective_device
 
 
 def _local_grads(pm):
@@ -35,7 +35,7 @@ def total_norm(pm, norm_type: float = 2.0) -> torch.Tensor:
     norm_type = float(norm_type)
     sharded, replicated = _local_grads(pm)
     tp, pp = pm.tp, pm.comms["pp"]
-    device = (sharded + replicated)[0].device if sharded + replicated else torch.device("cpu")
+    device = (sharded + replicated)[0].device if sharded + replicated else collective_device()
     if norm_type == float("inf"):
         local = torch.stack([g.abs().max().float() for g in sharded + replicated] or [torch.zeros((), device=device)]).max()
         local = tp.all_reduce(local.reshape(1), "clip", op=dist.ReduceOp.MAX)
