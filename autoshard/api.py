@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import itertools
 import time
 from contextlib import contextmanager
 
@@ -32,6 +33,7 @@ from autoshard.passes.pipeline_split import make_schedule
 from autoshard.passes.stages import split_chunks
 from autoshard.passes.shapes import module_path
 from autoshard.runtime.comm import comms_for_mesh
+from autoshard.runtime.device import to_device
 from autoshard.runtime.module import ParallelModule
 from autoshard.runtime.pipeline import PipelineModule, split_batch
 
@@ -116,6 +118,11 @@ def _capture(model, args, kwargs, options: CompileOptions, training: bool) -> Ca
     """The model as export sees it in ``training`` mode (a bf16 twin under mixed precision), with
     ``options.loss_fn`` after it when given."""
     traced = compute_twin(model, COMPUTE_DTYPES[options.mixed_precision]) if options.mixed_precision else model
+    # traced where the model is (a CPU model, GPU batches): the program runs on the mesh's device whatever
+    # device it was traced on (runtime/device.py)
+    where = next((t.device for t in itertools.chain(traced.parameters(), traced.buffers())), None)
+    if where is not None and where.type != "meta":
+        args, kwargs = to_device((tuple(args), kwargs), where)
     kwargs = dict(kwargs or {})
     with _mode(traced, training), _with_loss(traced, options.loss_fn, kwargs):
         captured = capture(traced, tuple(args), kwargs)

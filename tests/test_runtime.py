@@ -211,3 +211,27 @@ def test_buffers_of_a_model_built_on_meta_are_rebuilt_as_the_model_would():
         lost = Scaled(False)
     with pytest.raises(ValueError, match="buffer 'scale' of '' \\(Scaled\\) is on the meta device and is not saved"):
         autoshard.parallelize(lost, {"tp": 1}, (x,))
+
+
+def test_bound_program_runs_on_the_mesh_device():
+    """A program traced on the CPU (or meta) runs on its mesh's device: binding retargets every device
+    literal export baked in (GPT's positions arange), leaving the program's own graph as traced; a call's
+    tensors are moved there (as DDP moves its inputs), those already there are not copied."""
+    from autoshard.runtime.bind import bind
+    from autoshard.runtime.device import mesh_device, to_device
+    prog = autoshard.compile_rank(build("gpt", n_layer=1), {"tp": 1}, 0, *batch("gpt", 96))
+
+    def devices(gm):
+        found = set()
+        for n in gm.graph.nodes:
+            torch.fx.node.map_aggregate((n.args, n.kwargs), lambda a: found.add(a) if isinstance(a, torch.device) else a)
+        return found
+    assert devices(prog.gm) == {torch.device("cpu")}
+    bound = bind(prog.gm, {}, torch.device("meta"))
+    assert devices(bound) == {torch.device("meta")} and devices(prog.gm) == {torch.device("cpu")}
+    assert "device(type='meta')" in bound.code
+    x = torch.ones(2)
+    moved = to_device(((x,), {"y": x, "n": 3}), torch.device("meta"))
+    assert moved[0][0].is_meta and moved[1]["y"].is_meta and moved[1]["n"] == 3
+    assert to_device((x,), torch.device("cpu"))[0] is x and to_device((x,), None)[0] is x
+    assert mesh_device(None) is None

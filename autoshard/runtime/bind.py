@@ -15,6 +15,7 @@ from autoshard.ir import ops
 from autoshard.runtime import collectives as C
 from autoshard.runtime import losses as L
 from autoshard.runtime.chunked_loss import ChunkedLinearCrossEntropy
+from autoshard.runtime.device import retarget
 from autoshard.runtime.recompute import checkpoint_regions
 
 
@@ -77,8 +78,9 @@ class BoundOp(nn.Module):
         return self.op.extra_repr()
 
 
-def bind(gm: fx.GraphModule, comms: dict) -> fx.GraphModule:
-    """A runnable copy of ``gm``: every ``ir.ops`` record bound to ``comms[record.axis]``."""
+def bind(gm: fx.GraphModule, comms: dict, device: torch.device | None = None) -> fx.GraphModule:
+    """A runnable copy of ``gm``: every ``ir.ops`` record bound to ``comms[record.axis]``, its device literals
+    on ``device`` (``runtime/device.py``; None: as traced)."""
     root = nn.Module()
     for node in gm.graph.nodes:
         if node.op != "call_module":
@@ -95,4 +97,4 @@ def bind(gm: fx.GraphModule, comms: dict) -> fx.GraphModule:
         root.add_module(node.target, BoundOp(op, comms[op.axis]))
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # the program keeps its own graph, untouched
-    return checkpoint_regions(fx.GraphModule(root, graph))   # the recompute plan's regions, if any
+    return checkpoint_regions(retarget(fx.GraphModule(root, graph), device))   # the recompute plan's regions, if any

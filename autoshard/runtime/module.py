@@ -26,6 +26,7 @@ from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch
 from autoshard.runtime.bind import bind
 from autoshard.runtime.comm import AxisComm
 from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
+from autoshard.runtime.device import mesh_device, to_device
 from autoshard.runtime.params import ShardedParameters, model_buffers
 from autoshard.runtime.program_cache import ProgramCache
 
@@ -68,6 +69,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
                                  f"compiled for rank {coords[a]} of {program.mesh.axis_size(a)}")
         self.params = ShardedParameters(program.params, model, self.comms["tp"], tp_mesh)
         self.aliases = dict(program.captured.aliases)
+        self.device = mesh_device(tp_mesh)              # where this rank computes (runtime/device.py)
         self._model_buffers = model_buffers(model)      # a buffer on meta rebuilt, as the model would
         self._persistent = set(model.state_dict().keys())
         self._buffer_names = []              # the model's buffers, registered as b0, b1, ... (names may hold "__")
@@ -113,7 +115,8 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             return False
         if name not in self._buffer_attr:
             self._buffer_attr[name] = f"b{len(self._buffer_names)}"
-            self.register_buffer(self._buffer_attr[name], self._model_buffers[name].detach().clone(),
+            self.register_buffer(self._buffer_attr[name], to_device(self._model_buffers[name].detach().clone(),
+                                                                    self.device),
                                  persistent=name in self._persistent)
             self._buffer_names.append(name)
         return True
@@ -133,10 +136,10 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             if self._ensure_buffer(name):
                 continue
             if name in program.captured.constants:
-                constants[name] = program.captured.constants[name].detach().clone()
+                constants[name] = to_device(program.captured.constants[name].detach().clone(), self.device)
             else:
                 raise ValueError(f"buffer or constant '{name}' of the captured graph was not found in the model")
-        self._programs.put(k, (program, bind(program.gm, self.comms), constants))   # (.program keeps the first)
+        self._programs.put(k, (program, bind(program.gm, self.comms, self.device), constants))   # (.program keeps the first)
 
     def _program_for(self, leaves, spec):
         k = program_key(self.training, leaves, spec)
@@ -181,7 +184,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             raise RuntimeError(f"with data parallelism (dp={self.comms['dp'].size}) train with pm.step(*local_batch): "
                                "it sums the gradients over dp ranks; a training forward here would leave each "
                                "replica's gradients unsynchronised. pm.eval() forwards are fine")
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = pytree.tree_flatten(to_device((args, kwargs), self.device))
         program, graph, constants = self._program_for(leaves, spec)
         key = program_key(self.training, leaves, spec)
         if self._batch_checks.get(key, 0) < CHECKED_CALLS:   # every tp rank given the same batch
@@ -203,11 +206,13 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         of non-ignored targets (``passes/microbatch_loss.py``), so uneven ``ignore_index`` counts are exact.
         Another batch shape (an epoch's short last batch) compiles its own step program on first use, as
         ``forward`` does; the executors share the parameters (at most ``max_programs`` are kept)."""
+        args, kwargs = to_device((args, kwargs), self.device)
         return self._stepper_for(args, kwargs).step(*args, **kwargs)
 
     def eval_batch(self, *args, **kwargs):
         """The loss of a batch in eval mode (no dropout, no gradients), as ``step`` takes it and returns it
         (with dp, the global batch's loss on every rank): a validation loss."""
+        args, kwargs = to_device((args, kwargs), self.device)
         return self._stepper_for(args, kwargs).eval_batch(*args, **kwargs)
 
     def _stepper_for(self, args, kwargs):
@@ -221,7 +226,8 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             pins = {r.name: r.spec.tp for r in self.program.params}
             start = time.perf_counter()
             program = self._step_compiler(args, kwargs, pins)
-            stepper = PipelineModule(program, None, self.comms, params=self.params, buffer_source=self._step_buffer)
+            stepper = PipelineModule(program, None, self.comms, params=self.params, buffer_source=self._step_buffer,
+                                     device=self.device)
             stepper.bucket_bytes, stepper.first_bucket_bytes = self.bucket_bytes, self.first_bucket_bytes
             stepper._twin_compiler = (lambda train, a, kw, training, p=pins:
                                       self._step_compiler(a, kw, p, training=training))

@@ -34,6 +34,7 @@ from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer
 from autoshard.runtime.executor import Denominator, PipelineError, Run, split_batch
 from autoshard.runtime.module import _load_state_dict_names, _state_dict_names, program_key
 from autoshard.runtime.program_cache import ProgramCache
+from autoshard.runtime.device import mesh_device, to_device
 from autoshard.runtime.params import ShardedParameters, model_buffers
 
 log = logging.getLogger("autoshard")
@@ -53,9 +54,10 @@ class PipelineModule(training.TrainingMethods, nn.Module):
 
     def __init__(self, program: PipelineProgram, model: nn.Module | None, comms: dict | None = None, tp_mesh=None,
                  peers: list | None = None, tie_groups: dict | None = None, params: ShardedParameters | None = None,
-                 buffer_source=None):
+                 buffer_source=None, device: torch.device | None = None):
         super().__init__()
         coords = program.mesh.coords(program.rank)
+        self.device = device if device is not None else mesh_device(tp_mesh)   # runtime/device.py
         self.program = program
         self.comms = comms if comms is not None else {
             a: AxisComm(a, program.mesh.axis_size(a), coords[a]) for a in coords}
@@ -77,12 +79,12 @@ class PipelineModule(training.TrainingMethods, nn.Module):
             for i in c.inputs:
                 if i.kind == "buffer" and i.name in buffers and i.name not in self._buffers_by_name:
                     attr = f"b{len(self._buffers_by_name)}"
-                    self.register_buffer(attr, buffers[i.name].detach().clone(),
+                    self.register_buffer(attr, to_device(buffers[i.name].detach().clone(), self.device),
                                          persistent=i.name in self._persistent)
                     self._buffers_by_name[i.name] = attr
                     self._buffer_names.append(i.name)
-        self._constants = {k: v.detach().clone() for k, v in program.captured.constants.items()}
-        self.graphs = nn.ModuleDict({str(c.index): bind(c.gm, self.comms) for c in program.own})
+        self._constants = {k: to_device(v.detach().clone(), self.device) for k, v in program.captured.constants.items()}
+        self.graphs = nn.ModuleDict({str(c.index): bind(c.gm, self.comms, self.device) for c in program.own})
         self.last_timeline: Timeline | None = None
         out = dump_dir(program.options.dump)
         self._dump = (out if program.rank == 0 else f"{out}/rank{program.rank}") if out else None
@@ -206,6 +208,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
             raise RuntimeError("pm.step runs forward and backward over the pipeline and cannot run under "
                                "torch.no_grad(); for a validation loss call pm.eval_batch(*batch) (eval mode, "
                                "no gradients)")
+        args, kwargs = to_device((args, kwargs), self.device)
         twin = self._twin(args, kwargs, training=True)
         if twin is not self:        # another batch shape (an epoch's short last batch): its own program
             return twin.step(*args, **kwargs)
@@ -236,6 +239,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         loss as ``step`` (the global batch's, over microbatches and dp), no gradients and no activations
         kept. The eval program is compiled on first use (per batch shape), on the training program's
         stage cuts and placements, so it runs on the same parameter shards."""
+        args, kwargs = to_device((args, kwargs), self.device)
         twin = self._twin(args, kwargs, training=False)
         users = twin._microbatches(args, kwargs, "pm.eval_batch")
         with torch.no_grad():
@@ -280,7 +284,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
                                    "other parameters on this rank's stages than the first program: evaluate the "
                                    "single-device model on pm.full_state_dict()")
             twin = PipelineModule(program, None, self.comms, peers=self.peers, tie_groups=self.tie_groups,
-                                  params=self.params, buffer_source=self._train_buffer)
+                                  params=self.params, buffer_source=self._train_buffer, device=self.device)
             twin.train(training)
             twin.bucket_bytes, twin.post_receives_early = self.bucket_bytes, self.post_receives_early
             twin.first_bucket_bytes = self.first_bucket_bytes
