@@ -30,7 +30,7 @@ from autoshard.ir.placement import DistSpec, P, Partial, R, Replicate, Shard, sh
 from autoshard.ir.program import PlanReport
 from autoshard.ir.redistribute import volume
 from autoshard.passes.attention import attention_layouts, replicated_by_design
-from autoshard.passes.cost import collectives_time, flops, transition
+from autoshard.passes.cost import collectives_time, flops, residual_stream_bytes, transition
 from autoshard.passes.rules import RuleContext, Strategy, block_hints, shard_options, strategies_for
 from autoshard.passes.shapes import module_path, shape_of, val
 
@@ -183,10 +183,11 @@ def build_problem(gm, ctx: RuleContext, cm: CostModel, pins: dict, rg: dict, rep
             prob.add_row([(prob.xidx[n, i], 1.0) for i in range(len(ss))], 1.0, 1.0)
 
     fuse_uses = defaultdict(list)  # u -> [(v, j)]: strategies that use u replicated with a partial gradient
+    stream = residual_stream_bytes(gm)
     for v, svs in strategies.items():
         for pos, u in enumerate(v.all_input_nodes):
             if u in strategies:
-                _add_edge(prob, ctx, cm, u, v, pos, rg.get(u, False), fuse_uses)
+                _add_edge(prob, ctx, cm, u, v, pos, rg.get(u, False), fuse_uses, stream)
     for u, uses in fuse_uses.items():
         price = cm.latency + volume("all_reduce", nbytes(u), ctx.t) / cm.bandwidth if ctx.t > 1 else 0.0
         if any(v in fixed for v, _ in uses):
@@ -198,7 +199,7 @@ def build_problem(gm, ctx: RuleContext, cm: CostModel, pins: dict, rg: dict, rep
     return prob
 
 
-def _add_edge(prob: Problem, ctx, cm, u, v, pos, grad, fuse_uses):
+def _add_edge(prob: Problem, ctx, cm, u, v, pos, grad, fuse_uses, stream_bytes=0):
     """Price edge ``u -> v`` (input ``pos`` of ``v``) for every pair of placements the two may choose."""
     t, nb, shape = ctx.t, nbytes(u), shape_of(u)
     sus, svs = prob.strategies[u], prob.strategies[v]
@@ -213,7 +214,7 @@ def _add_edge(prob: Problem, ctx, cm, u, v, pos, grad, fuse_uses):
         # (R->P writes a zeros tensor on all ranks but one: cheap, but not free -- adding a row-parallel
         # bias after the all-reduce, as Megatron does, avoids it)
         extra = nb / cm.bandwidth if isinstance(a, Replicate) and isinstance(r, Partial) else 0.0
-        return scale * collectives_time(transition(a, r, grad, shape, ctx.axis, t), nb, t, cm) + extra
+        return scale * collectives_time(transition(a, r, grad, shape, ctx.axis, t), nb, t, cm, stream_bytes) + extra
 
     if grad:
         fuse_uses[u].extend((v, j) for j, sv in enumerate(svs) if partial_grad_use(sv, pos))

@@ -75,6 +75,36 @@ def test_plan_is_megatrons_on_fused_qkv_gpt():
     assert M.SPEC.get(sdpa).tp == Shard(1)                                 # attention split by heads
 
 
+@pytest.mark.parametrize("family", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_plan_is_megatrons_on_rmsnorm_models(family):
+    """An RMSNorm can run sharded along hidden, so a plan that never replicates the residual stream exists:
+    every linear row-parallel, a reduce-scatter after each (7 a layer), twice Megatron's traffic. Pricing
+    the residual's replica as memory made it look cheaper (it stepped 4x slower at tp=2 on gloo); the
+    residual replica is priced by its traffic, so the planner picks Megatron's layout: 2 all-reduces a
+    layer forward, and the loss vocab-parallel."""
+    import transformers as T
+    config = getattr(T, family.replace("ForCausalLM", "Config"))(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = getattr(T, family)(config)
+    ids = torch.randint(0, 256, (4, 32))
+    prog = autoshard.compile_rank(model, {"tp": 2}, 0, (), dict(input_ids=ids, labels=ids, use_cache=False),
+                                  loss_only=True)
+    pl = {r.name: r.spec.tp for r in prog.params}
+    for i in range(2):
+        layer = f"model.layers.{i}."
+        for w in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            assert pl[layer + w + ".weight"] == Shard(0), (w, pl[layer + w + ".weight"])
+        for w in ("self_attn.o_proj", "mlp.down_proj"):
+            assert pl[layer + w + ".weight"] == Shard(1)
+        for w in ("input_layernorm", "post_attention_layernorm"):
+            assert pl[layer + w + ".weight"] == R
+    assert pl["lm_head.weight"] == Shard(0)
+    kinds = Counter((c.phase, c.kind) for c in prog.collectives)
+    assert kinds[("fwd", "reduce_scatter")] == 0 and kinds[("fwd", "all_reduce")] == 2 * 2 + 3, kinds
+
+
 def test_plan_separate_qkv_and_untied_head():
     pl, _ = planned("gpt", t=2, n_layer=1, fused_qkv=False, tie_weights=False)
     for w in ("q_proj", "k_proj", "v_proj"):
