@@ -70,6 +70,28 @@ def _runtime(rank, world):
         out["unseeded"] = None
     except RuntimeError as e:
         out["unseeded"] = str(e)
+    # ... also between dp replicas and between the pipeline stages holding a tied weight; and copies that
+    # drift apart later are found by check_replicas on those axes too
+    double = tuple(torch.cat([a] * 2) for a in args)
+    for axis in ("dp", "pp"):
+        small = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=96)
+        torch.manual_seed(rank)
+        try:
+            autoshard.parallelize(GPT(GPTConfig(**small)), autoshard.init_mesh(**{axis: world}), double, microbatches=2)
+            out[f"unseeded {axis}"] = None
+        except RuntimeError as e:
+            out[f"unseeded {axis}"] = str(e)
+        torch.manual_seed(0)
+        pm_axis = autoshard.parallelize(GPT(GPTConfig(**small)), autoshard.init_mesh(**{axis: world}), double,
+                                        microbatches=2)
+        if rank == 1:
+            with torch.no_grad():
+                pm_axis.local_parameters()["lm_head.weight"].to_local().add_(1e-3)
+        try:
+            pm_axis.check_replicas()
+            out[f"drift {axis}"] = None
+        except RuntimeError as e:
+            out[f"drift {axis}"] = str(e)
     other_args = tuple(a[:, :4].contiguous() for a in args) if rank == 1 else args  # another shape on rank 1
     try:
         autoshard.parallelize(build("gpt"), mesh, example_args=other_args)
@@ -112,7 +134,11 @@ def test_runtime_features():
         measured, planned = out["tracer bytes"]
         assert measured == planned
         assert "world has 2" in out["mesh mismatch"] and "tp=4" in out["mesh mismatch"]
-        assert "weights differ between tensor-parallel ranks" in out["unseeded"], out["unseeded"]
+        for case in ("unseeded", "unseeded dp", "unseeded pp"):
+            assert "weights on rank 1 differ from rank 0's" in out[case] and "torch.manual_seed" in out[case], out[case]
+        assert "between the 2 data-parallel replicas: ['lm_head.weight'" in out["drift dp"], out["drift dp"]
+        assert "between the 2 pipeline stages holding the tied weight: ['lm_head.weight']" in out["drift pp"], \
+            out["drift pp"]
         assert "compiled different plans" in out["other plan"], out["other plan"]
         assert "tp ranks were given different batches" in out["tp batch"], out["tp batch"]
         assert "pp ranks were given different batches" in out["pp batch"], out["pp batch"]

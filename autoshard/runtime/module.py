@@ -87,7 +87,8 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self.__dict__["_stepper"] = None     # the last pm.step executor: shares self.params, not a submodule
         self.__dict__["_steppers"] = ProgramCache(lambda: self.max_programs, "pm.step program", on_drop=lambda s: s.close())
         self.train(model.training)
-        self._check_ranks_agree(program, model)
+        self._check_ranks_agree(program)
+        training.check_same_weights(model, "parallelize")   # over the whole world: tp, dp and pp ranks
         captured = program.captured
         sig = tuple(leaf + (rg,) if isinstance(leaf, tuple) and len(leaf) == 2 and isinstance(leaf[1], torch.dtype)
                     else leaf for leaf, rg in zip(captured.example_leaves, captured.example_requires_grad))
@@ -157,7 +158,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         if not theirs <= ours:
             raise RuntimeError(f"the {'train' if self.training else 'eval'}-mode program for these inputs reads "
                                f"parameters the first one did not: {sorted(theirs - ours)}")
-        self._check_ranks_agree(program, None)
+        self._check_ranks_agree(program)
         self._add(k, program)
         seconds = time.perf_counter() - start
         self.compile_log.append((k, seconds))
@@ -240,29 +241,19 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         return stepper
 
     # --- checks ----------------------------------------------------------------------------------------------
-    def _check_ranks_agree(self, program, model):
-        """All tp ranks must run the same plan on the same weights; say so (on every rank) if they do not.
-
-        One small all-gather per program: a rank with another plan would run other collectives (a hang
-        or wrong numbers), and weights drawn without a common seed would be shards of different models.
-        """
+    def _check_ranks_agree(self, program):
+        """All tp ranks must run the same plan; say so (on every rank) if they do not. One small all-gather
+        per program: a rank with another plan would run other collectives (a hang or wrong numbers)."""
         group = self.tp.group
         if group is None:
             return
         plan = hashlib.sha1(repr([(n.name, M.SPEC.get(n, None), M.LOCAL_SHAPE.get(n, None))
                                   for n in program.gm.graph.nodes]).encode()).hexdigest()
-        weights = hashlib.sha1()
-        for name, p in (model.named_parameters() if model is not None else ()):
-            if not p.is_meta:
-                weights.update(f"{name}:{float(p.detach().double().sum()):.10e}".encode())
         every = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, (plan, weights.hexdigest()), group=group)
-        if len({e[0] for e in every}) > 1:
+        dist.all_gather_object(every, plan, group=group)
+        if len(set(every)) > 1:
             raise RuntimeError("tensor-parallel ranks compiled different plans (different example inputs, "
                                "models or autoshard versions?): every rank must call parallelize identically")
-        if len({e[1] for e in every}) > 1:
-            raise RuntimeError("the model's weights differ between tensor-parallel ranks: seed every rank the "
-                               "same (torch.manual_seed) before building the model, or load one checkpoint")
 
     # --- full state dicts -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -100,6 +100,8 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         # saved tensor, a few percent of a step on CPU): on when dumping, or set it for a benchmark
         self.measure_memory = self._dump is not None
         self.train(True)
+        if model is not None:
+            training.check_same_weights(model, "parallelize")   # every rank: its stages, replica and tied copies
         # state_dict() with the model's own names, as ParallelModule's (this rank's stages only)
         self._register_state_dict_hook(_state_dict_names)
         self._register_load_state_dict_pre_hook(_load_state_dict_names, with_module=True)

@@ -73,28 +73,60 @@ def _digest(t: torch.Tensor) -> str:
 
 
 def check_replicas(pm):
-    """Hash every parameter that should be identical across tp ranks and compare the hashes.
+    """Hash every parameter that should be identical on several ranks and compare the hashes: replicated
+    parameters across tp ranks, every shard across dp replicas, a tied weight's copies across its pp stages.
 
-    Replicated parameters must stay bit-identical: a rank that scaled, clipped or updated them
-    differently trains another model from then on. Every rank raises, naming the parameters.
+    Copies must stay bit-identical: a rank that scaled, clipped or updated them differently trains
+    another model from then on. Every rank raises, naming the parameters.
     """
-    group = pm.tp.group
-    if pm.tp.size == 1:
+    local = {name: (p.to_local() if hasattr(p, "to_local") else p) for name, p in pm.local_parameters().items()}
+    replicated = {n: t for n, t in local.items() if not isinstance(pm.records[n].spec.tp, Shard)}
+    _compare(pm.tp, replicated, "tensor-parallel ranks")
+    _compare(pm.comms.get("dp"), local, "data-parallel replicas")
+    for name, group in getattr(pm, "tie_groups", {}).items():
+        if name in local and group is not None:
+            _compare(group, {name: local[name]}, "pipeline stages holding the tied weight")
+
+
+def _compare(comm, tensors: dict, who: str) -> None:
+    """Raise if ``tensors`` differ (by digest) between the ranks of ``comm`` (an AxisComm or a process group)."""
+    size = getattr(comm, "size", None) if comm is not None and not isinstance(comm, dist.ProcessGroup) else (
+        dist.get_world_size(comm) if comm is not None else 1)
+    if size is None or size == 1:
         return
-    mine = {}
-    for name, p in pm.local_parameters().items():
-        if not isinstance(pm.records[name].spec.tp, Shard):
-            mine[name] = _digest(p.to_local() if hasattr(p, "to_local") else p)
-    every = [None] * pm.tp.size
+    mine = {n: _digest(t) for n, t in tensors.items()}
+    group = comm if isinstance(comm, dist.ProcessGroup) else comm.group
     if group is None:  # the thread simulator: its communicator exchanges tensors, not objects
-        every = pm.tp.exchange_objects(mine)
+        every = comm.exchange_objects(mine)
     else:
+        every = [None] * size
         dist.all_gather_object(every, mine, group=group)
     drifted = sorted(n for n in mine if len({e.get(n) for e in every}) > 1)
     if drifted:
-        raise RuntimeError(f"replicated parameters differ between the {pm.tp.size} tensor-parallel ranks: "
-                           f"{drifted}. Something changed them on some ranks only (a per-rank gradient scale, a "
-                           "clip by a local norm, a different seed); training from here trains different models")
+        raise RuntimeError(f"parameters that should be identical differ between the {size} {who}: {drifted}. "
+                           "Something changed them on some ranks only (a per-rank gradient scale, a clip by a "
+                           "local norm, a different seed); training from here trains different models")
+
+
+def check_same_weights(model, where: str) -> None:
+    """At set-up, on every rank: every rank built its model from the same weights (one digest a rank,
+    all-gathered over the whole world). Each rank takes its shards from its own copy, so a forgotten seed
+    would make the tp shards pieces of different models, the dp replicas different models, and a tied
+    weight's two pipeline copies different tensors: an error naming the fix instead, before training."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    digest = hashlib.sha1()
+    for name, p in model.named_parameters():
+        if not p.is_meta:     # a meta parameter is drawn from its name, the same on every rank
+            digest.update(f"{name}:{float(p.detach().double().sum()):.10e}".encode())
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, digest.hexdigest())
+    differ = [r for r, d in enumerate(every) if d != every[0]]
+    if differ:
+        raise RuntimeError(f"{where}: the model's weights on rank {differ[0]} differ from rank 0's, but every rank "
+                           "must start from the same weights (each takes its shards, its replica or its tied copy "
+                           "from its own model): seed every rank the same (torch.manual_seed) before building the "
+                           "model, or load one checkpoint on every rank")
 
 
 class TrainingMethods(CommCounting):
