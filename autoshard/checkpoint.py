@@ -173,6 +173,10 @@ def load(pm, optimizer, path: str, scheduler=None) -> int | None:
         if saved_class != want:
             raise ValueError(f"{path} holds {saved_class} state, not {want}: load it into a {saved_class}, or "
                              "pass optimizer=None to load the model alone")
+        groups, saved_groups = len(getattr(optimizer, "inner", optimizer).param_groups), len(meta.get("param_groups", []))
+        if groups != saved_groups:   # torch's load_state_dict refuses this too: the hyperparameters would land
+            raise ValueError(f"{path} was saved from an optimizer with {saved_groups} param group(s), this one has "
+                             f"{groups}: build it with the same groups (in the same order) as the run that saved")
     saved_schedule = meta.get("scheduler")
     if scheduler is not None and (saved_schedule or {}).get("class") != type(scheduler).__name__:
         raise ValueError(f"{path} holds " + (f"a {saved_schedule['class']} scheduler" if saved_schedule else

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autoshard.ir.options import default_backend
+
 
 class RankError(RuntimeError):
     """One or more ranks failed; ``.errors`` maps rank -> traceback text."""
@@ -34,7 +36,7 @@ def _free_port() -> int:
 
 
 def backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return default_backend()
 
 
 def _worker(rank, world, port, fn, args, q, init_pg):
@@ -65,7 +67,8 @@ def launch(fn, world: int, *args, timeout: float = 900, init_pg: bool = True):
     traceback if a rank raises, dies, or the job outlives ``timeout`` seconds (all ranks are killed).
     """
     if backend() == "nccl" and torch.cuda.device_count() < world:
-        raise RuntimeError(f"tp={world} needs {world} GPUs, this machine has {torch.cuda.device_count()}")
+        raise RuntimeError(f"{world} ranks on NCCL need {world} GPUs (one each), this machine has "
+                           f"{torch.cuda.device_count()}: use fewer ranks, or AUTOSHARD_BACKEND=gloo to run on the CPU")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = _free_port()

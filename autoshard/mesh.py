@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autoshard.ir.mesh import AXES, MeshSpec
-from autoshard.ir.options import pg_timeout_seconds
+from autoshard.ir.options import default_backend, pg_timeout_seconds
 
 
 def init_mesh(tp: int = 1, dp: int = 1, pp: int = 1) -> DeviceMesh:
@@ -19,15 +19,16 @@ def init_mesh(tp: int = 1, dp: int = 1, pp: int = 1) -> DeviceMesh:
     bounded timeout (``AUTOSHARD_TIMEOUT``) so a mismatched program fails instead of hanging.
     """
     spec = MeshSpec(dp=dp, pp=pp, tp=tp)
-    cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise RuntimeError("autoshard.init_mesh needs a process group: launch with torchrun "
                                "(e.g. `torchrun --nproc_per_node=2 train.py`) or call "
                                "torch.distributed.init_process_group first")
-        if cuda:
+        backend = default_backend()
+        if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=group_timeout())
+        dist.init_process_group(backend, timeout=group_timeout())
+    cuda = "nccl" in str(dist.get_backend())   # the mesh lives where the process group communicates
     world = dist.get_world_size()
     if spec.size != world:
         raise ValueError(f"mesh dp={dp} x pp={pp} x tp={tp} = {spec.size} ranks, but the world has {world}: "

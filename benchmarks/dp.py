@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard.launcher import launch
+from autoshard.runtime.comm import collective_device
 from benchmarks.pp import OUT, _batch, _gpt, _timed_step
 
 
@@ -39,7 +40,9 @@ def _rank(rank, world, job):
         pm.bucket_bytes = int(job["bucket_mb"] * 2**20)
     if job["first_bucket_mb"] is not None:   # DDP's 1 MiB first bucket starts the all-reduce during backward
         pm.first_bucket_bytes = int(job["first_bucket_mb"] * 2**20)
-    ddp = DDP(copy.deepcopy(model), **({} if job["bucket_mb"] is None else {"bucket_cap_mb": job["bucket_mb"]}))
+    dev = collective_device()
+    ddp = DDP(copy.deepcopy(model), device_ids=[dev.index] if dev.type == "cuda" else None,
+              **({} if job["bucket_mb"] is None else {"bucket_cap_mb": job["bucket_mb"]}))
 
     def ours():
         return float(pm.step(x, y))
@@ -89,7 +92,7 @@ def _rank(rank, world, job):
         inner = getattr(opt, "inner", opt)
         held = sum(v.numel() * v.element_size() for st in inner.state.values() for v in st.values()
                    if torch.is_tensor(v) and v.dim())
-        t = torch.tensor([float(held)])
+        t = torch.tensor([float(held)], device=collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         state[zero] = float(t)
     return dict(dp=world, ours=statistics.median(times["autoshard"]), ddp=statistics.median(times["ddp"]),

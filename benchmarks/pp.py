@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard.launcher import launch
+from autoshard.runtime.comm import collective_device
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -81,27 +82,37 @@ class _Held:
 
 
 def _gpt(layers, vocab, hidden, seq, tie):
+    """The benchmark GPT, on the rank's device (its GPU under NCCL), so the torch baselines run where
+    autoshard does."""
     from autoshard.models import GPT, GPTConfig
     torch.manual_seed(0)
     return GPT(GPTConfig(block_size=seq, vocab_size=vocab, n_layer=layers, n_head=4, n_embd=hidden,
-                         tie_weights=tie))
+                         tie_weights=tie)).to(collective_device())
 
 
 def _batch(vocab, batch, seq, seed):
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g)
+    x, y = torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g)
+    return x.to(collective_device()), y.to(collective_device())
 
 
 def _max_over_ranks(seconds: float) -> float:
-    t = torch.tensor([seconds])
+    t = torch.tensor([seconds], device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
+def _sync():
+    if collective_device().type == "cuda":   # host clocks time the GPU's work only once it is done
+        torch.cuda.synchronize()
+
+
 def _timed_step(fn):
+    _sync()
     dist.barrier()
     start = time.perf_counter()
     out = fn()
+    _sync()
     return out, _max_over_ranks(time.perf_counter() - start)
 
 
@@ -199,7 +210,7 @@ def _torch_rank(rank, world, job):
             sched.step(x, target=y, losses=losses) if last else sched.step(x)
         else:
             sched.step(target=y, losses=losses) if last else sched.step()
-        t = torch.tensor([float(torch.stack(losses).mean()) if losses else 0.0])
+        t = torch.tensor([float(torch.stack(losses).mean()) if losses else 0.0], device=collective_device())
         dist.all_reduce(t)
         return float(t)
 
@@ -231,7 +242,7 @@ def _torch_rank(rank, world, job):
                 times[name].append(t)
         for p in list(pm.parameters()) + theirs_params + list(balanced.parameters()):
             p.grad = None
-    peak = {k: torch.tensor([float(v[1])]) for k, v in mem.items()}
+    peak = {k: torch.tensor([float(v[1])], device=collective_device()) for k, v in mem.items()}
     for t in peak.values():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(loss=mem["autoshard"][0], torch_loss=mem["torch"][0],

@@ -10,6 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autoshard.runtime.comm import collective_device
+
 
 class GPTChunk(nn.Module):
     """Layers ``[lo, hi)`` of ``autoshard.models.GPT``, with the embedding (first chunk) and the final
@@ -48,7 +50,7 @@ def torch_pipeline(gpt, cuts: list, pp_rank: int, pp: int, v: int, m: int, group
     for s in range(pp_rank, n, pp):
         mod = GPTChunk(gpt, edges[s], edges[s + 1], s == 0, s == n - 1)
         modules.append(mod)
-        stages.append(PipelineStage(mod, s, n, torch.device("cpu"), group=group))
+        stages.append(PipelineStage(mod, s, n, collective_device(), group=group))
     if v == 1:
         return Schedule1F1B(stages[0], m, loss_fn=loss_fn), modules
     return ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn), modules

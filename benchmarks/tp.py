@@ -376,7 +376,7 @@ def main(argv=None) -> dict:
         variants.remove("single_nt")  # threads mean nothing on a GPU
     runs, started = [], time.time()
     for tp in args.tp:
-        if torch.cuda.is_available() and torch.cuda.device_count() < tp:
+        if backend() == "nccl" and torch.cuda.device_count() < tp:
             print(f"[benchmarks.tp] tp={tp} skipped: needs {tp} GPUs, this machine has {torch.cuda.device_count()}",
                   flush=True)
             continue
@@ -404,6 +404,9 @@ def main(argv=None) -> dict:
                           f"{row['calls_per_step']:4d} collectives  {row['bytes_per_step'] / 2**20:8.2f} MiB/step",
                           flush=True)
             runs.append(run)
+    if not runs:   # never overwrite the saved results with empty tables
+        raise SystemExit(f"[benchmarks.tp] no tp size in {args.tp} fits this machine's "
+                         f"{torch.cuda.device_count()} GPU(s): pass --tp 1 (or fewer ranks), or AUTOSHARD_BACKEND=gloo")
     results = dict(
         config=dict(tp=args.tp, vocab=args.vocab, layers=args.layers, hidden=args.hidden, heads=args.heads,
                     seq=args.seq, batch=args.batch, steps=args.steps, warmup=args.warmup, seed=args.seed,

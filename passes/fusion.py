@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed
 import torch.fx as fx
 from torch.fx.passes.tools_common import stable_topological_sort
 from torch.fx.passes.utils.fuser_utils import erase_nodes, fuse_as_graphmodule, insert_subgm, validate_partition
@@ -28,18 +29,30 @@ from torch.fx.passes.utils.fuser_utils import erase_nodes, fuse_as_graphmodule, 
 from autoshard.ir import meta as M
 from autoshard.ir.pipeline import STAGE_PLAN
 from autoshard.ir.fusion import FusionGroup, FusionReport, KernelRecord, Unfused
+from autoshard.ir.options import default_backend
 from autoshard.passes.dropout_rng import rewrite_dropout
 
 class FusionUnavailable(RuntimeError):
     """``fuse=True`` where no Triton kernel can run."""
 
 
+def _runs_on_cuda() -> bool:
+    """Whether the program will run on CUDA: CUDA is there and the processes talk NCCL (a gloo run on a GPU
+    machine, the test suite's, computes on the CPU)."""
+    if not torch.cuda.is_available():
+        return False
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return "nccl" in str(torch.distributed.get_backend())
+    return default_backend() == "nccl"
+
+
 def _decide(mode) -> tuple:
     """(enabled, why) for ``fuse=True | False | "auto"``."""
     if mode is False or mode is None:
         return False, "fuse=False"
-    if mode == "auto" and not torch.cuda.is_available():   # decided before importing triton (a second)
-        return False, "fuse='auto' without CUDA (set fuse=True with TRITON_INTERPRET=1 to run the kernels on CPU)"
+    if mode == "auto" and not _runs_on_cuda():   # decided before importing triton (a second)
+        return False, ("fuse='auto' without CUDA (or on gloo) (set fuse=True with TRITON_INTERPRET=1 to run the "
+                       "kernels on CPU)")
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     try:
         import triton  # noqa: F401

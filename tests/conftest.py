@@ -14,3 +14,6 @@ if _ROOT not in sys.path:
 # Keep CPU tests from oversubscribing the (small) CI machine; spawned ranks
 # inherit this too.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The tests compare against single-device models on the CPU: on a GPU machine too they run on gloo
+# (GPU checks are the benchmarks' job, one command each).
+os.environ.setdefault("AUTOSHARD_BACKEND", "gloo")

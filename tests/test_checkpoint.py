@@ -48,6 +48,10 @@ def test_lr_scheduler_state_is_saved_as_plain_json_and_checked_on_load(tmp_path)
     assert sched2.last_epoch == 3 and sched2.get_last_lr() == sched.get_last_lr() == [0.05]
     with pytest.raises(ValueError, match="holds a StepLR scheduler, not a LambdaLR"):
         autoshard.load(pm2, opt2, str(tmp_path / "ckpt"), scheduler=torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1))
+    params = list(pm2.parameters())     # two param groups where the run that saved had one: refused, as torch does
+    grouped = torch.optim.SGD([{"params": params[:1]}, {"params": params[1:], "lr": 0.5}], lr=0.1)
+    with pytest.raises(ValueError, match=r"saved from an optimizer with 1 param group\(s\), this one has 2"):
+        autoshard.load(pm2, grouped, str(tmp_path / "ckpt"))
     with pytest.raises(TypeError, match=r"scheduler\.fn is a function"):
         _plain({"fn": lambda s: s}, "scheduler")
     # MultiStepLR keeps its milestones in a Counter with int keys: stored as pairs, a Counter again

@@ -261,3 +261,22 @@ def test_bound_program_runs_on_the_mesh_device():
     assert moved[0][0].is_meta and moved[1]["y"].is_meta and moved[1]["n"] == 3
     assert to_device((x,), torch.device("cpu"))[0] is x and to_device((x,), None)[0] is x
     assert mesh_device(None) is None
+
+
+def test_param_groups_by_the_whole_models_names():
+    """Every rank may build its param groups from the whole model's names: a name another pipeline stage
+    holds is skipped, a tied weight's embedding name is its head's, and a typo or a tensor of the single-
+    device model is an error saying what to pass."""
+    from autoshard.runtime.zero import group_names
+    mine = {"a.weight": torch.zeros(2), "lm_head.weight": torch.zeros(3)}
+    model = {"a.weight": "a.weight", "b.weight": "b.weight", "lm_head.weight": "lm_head.weight",
+             "wte.weight": "lm_head.weight"}
+    groups = group_names([{"params": ["a.weight", "b.weight", "wte.weight", "lm_head.weight"], "weight_decay": 0.1},
+                          {"params": [], "weight_decay": 0.0}], mine, model)
+    assert groups == [(["a.weight", "lm_head.weight"], {"weight_decay": 0.1}), ([], {"weight_decay": 0.0})]
+    with pytest.raises(ValueError, match="holds 'c.weight' that is not a parameter of this pm: give the model's"):
+        group_names([{"params": ["c.weight"]}], mine, model)
+    with pytest.raises(ValueError, match="holds a tensor that is not a parameter of this pm.*single-device"):
+        group_names([{"params": [torch.zeros(2)]}], mine, model)
+    with pytest.raises(ValueError, match="lm_head.weight is in more than one optimizer param group"):
+        group_names([{"params": ["wte.weight"]}, {"params": ["lm_head.weight"]}], mine, model)

@@ -5,6 +5,7 @@
 | ``AUTOSHARD_DUMP``    | directory for pass dumps and ``plan.md`` (same as ``dump=``)        |
 | ``AUTOSHARD_TIMEOUT`` | seconds before a collective gives up (process-group timeout), 300   |
 | ``AUTOSHARD_CHECK_REPLICAS`` | every N training forwards, compare replicated parameters across ranks |
+| ``AUTOSHARD_BACKEND`` | ``gloo`` or ``nccl`` for the process groups autoshard starts; default NCCL when CUDA is there |
 | ``CompileOptions``    | the one typed options object ``parallelize`` builds and passes see  |
 | ``CostModel``         | machine constants the planner prices plans with                     |
 """
@@ -20,6 +21,16 @@ def dump_dir(explicit: str | None) -> str | None:
 
 def pg_timeout_seconds() -> float:
     return float(os.environ.get("AUTOSHARD_TIMEOUT", "300"))
+
+
+def default_backend() -> str:
+    """``AUTOSHARD_BACKEND``, else NCCL where CUDA is available and gloo elsewhere (``gloo`` on a GPU machine
+    runs everything on the CPU: the test suite does, as its models and references are on the CPU)."""
+    import torch
+    chosen = os.environ.get("AUTOSHARD_BACKEND", "").strip().lower()
+    if chosen and chosen not in ("gloo", "nccl"):
+        raise ValueError(f"AUTOSHARD_BACKEND={chosen!r}: use 'gloo' (CPU) or 'nccl' (CUDA), or unset it")
+    return chosen or ("nccl" if torch.cuda.is_available() else "gloo")
 
 
 def check_replicas_every() -> int:

@@ -43,8 +43,12 @@ def split_batch(leaves: list, m: int, example_leaves: list | None = None) -> lis
                          f"dims differ: {sorted(sizes)}; pass batch-first tensors of one batch size")
     batch = sizes.pop() if sizes else 1
     if batch % m:
+        near = " or ".join(str(b) for b in (batch // m * m, batch // m * m + m) if b)
+        fits = [d for d in range(1, batch + 1) if batch % d == 0]
         raise ValueError(f"a batch of {batch} rows cannot be split into microbatches={m}: use a batch size that "
-                         f"is a multiple of {m} (e.g. {batch // m * m or m}) or another microbatch count")
+                         f"is a multiple of {m} (here {near}), or a microbatch count that divides {batch} "
+                         f"({', '.join(map(str, fits))}); for an epoch's short last batch, drop_last=True in the "
+                         "DataLoader")
     mb = batch // m
     out = [[x[i * mb:(i + 1) * mb] if isinstance(x, torch.Tensor) and x.dim() >= 1 else x for x in leaves]
            for i in range(m)]

@@ -152,6 +152,12 @@ class TrainingMethods(CommCounting):
         for name, p in self.local_parameters().items():
             yield (f"{prefix}.{name}" if prefix else name), p
 
+    def model_parameter_names(self) -> dict:
+        """Every parameter name of the single-device model, on every stage, to the name ``pm`` gives it (a
+        tied weight's other names to the one its copies go by)."""
+        captured = self.program.captured
+        return {**{n: n for n in captured.param_names}, **captured.aliases}
+
     def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The full tensor of parameter ``name``'s shard (or its gradient); a collective when sharded."""
         return self.params.gather(name, local)
@@ -196,4 +202,5 @@ class TrainingMethods(CommCounting):
         from autoshard.runtime.zero import group_names
         local = self.local_parameters()
         return optimizer_class([{"params": [local[n] for n in names], **options}
-                                for names, options in group_names(params, local)], **defaults)
+                                for names, options in group_names(params, local, self.model_parameter_names())],
+                               **defaults)

@@ -38,10 +38,14 @@ def partition(sizes: dict, ranks: int) -> dict:
     return owner
 
 
-def group_names(groups, params: dict) -> list:
+def group_names(groups, params: dict, model_names: dict | None = None) -> list:
     """``[(names, options)]`` of ``pm.optimizer(..., params=[{"params": [...], **options}, ...])``: each
-    group's parameters given by name or as ``pm``'s parameters; a parameter in no group is not stepped."""
+    group's parameters given by name or as ``pm``'s parameters; a parameter in no group is not stepped.
+    A name of the model's (``model_names``: each to the name ``pm`` gives it, a tied weight's other
+    names included) that another pipeline stage holds is skipped, so every rank can build its groups from
+    the whole model's names."""
     by_id = {id(p): n for n, p in params.items()}
+    model_names = model_names or {}
     out, seen = [], set()
     for i, group in enumerate(groups):
         if not isinstance(group, dict) or "params" not in group:
@@ -49,10 +53,17 @@ def group_names(groups, params: dict) -> list:
                             "or pm's parameters) and its options, as torch.optim takes")
         names = []
         for x in ([group["params"]] if isinstance(group["params"], (str, torch.Tensor)) else group["params"]):
-            name = x if isinstance(x, str) else by_id.get(id(x))
+            name = model_names.get(x, x) if isinstance(x, str) else by_id.get(id(x))
+            if name in model_names and name not in params:
+                continue                     # held by another pipeline stage: its rank steps it
             if name not in params:
-                raise ValueError(f"optimizer param group {i} holds {x if isinstance(x, str) else 'a tensor'} that is "
-                                 f"not one of this pm's parameters (pm.named_parameters() lists them)")
+                what = f"'{x}'" if isinstance(x, str) else "a tensor"
+                raise ValueError(f"optimizer param group {i} holds {what} that is not a parameter of this pm: "
+                                 "give the model's parameter names (pm.named_parameters() lists this rank's; a name "
+                                 "another pipeline stage holds is skipped) or pm's own parameters, not the "
+                                 "single-device model's tensors")
+            if name in names:                # a tied weight named twice (its embedding and head names)
+                continue
             if name in seen:
                 raise ValueError(f"parameter {name} is in more than one optimizer param group")
             seen.add(name)
@@ -79,7 +90,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             numel = math.prod(rec.local_shape) if rec is not None else _local(p).numel()
             return numel * _local(p).element_size()
         self.owner = partition({n: nbytes(n, p) for n, p in self.params.items()}, dp.size)
-        groups = group_names(params, self.params) if params is not None else [(list(self.params), {})]
+        groups = group_names(params, self.params, pm.model_parameter_names()) if params is not None else \
+            [(list(self.params), {})]
         inner_groups, self.owns_nothing = [], True
         for names, options in groups:
             mine = [self.params[n] for n in names if self.owner[n] == dp.rank]
