@@ -128,6 +128,14 @@ def test_middle_dim_reduction_is_refused():
         compile_group(lambda x: (x.sum(1, keepdim=True) * x,), [torch.randn(2, 3, 4)], "mid")
 
 
+def test_a_row_wider_than_one_block_is_refused():
+    """A softmax over a 256K vocabulary row: the row template would need a 2**18-element block (Triton
+    refuses over 2**20, and registers spill long before): the group stays eager, and says why."""
+    x = torch.randn(2, 1 << 17)
+    with pytest.raises(Unfusable, match=r"rows of 131072 elements are longer than the row template holds \(32768\)"):
+        compile_group(lambda x: (torch.softmax(x, -1),), [x], "wide")
+
+
 def test_kernels_are_files_in_the_cache_named_by_their_plan(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOSHARD_KERNEL_CACHE", str(tmp_path))
     fn, ins = _inputs("swiglu")
