@@ -280,3 +280,29 @@ def test_param_groups_by_the_whole_models_names():
         group_names([{"params": [torch.zeros(2)]}], mine, model)
     with pytest.raises(ValueError, match="lm_head.weight is in more than one optimizer param group"):
         group_names([{"params": ["wte.weight"]}, {"params": ["lm_head.weight"]}], mine, model)
+
+
+def test_pm_does_not_keep_the_users_weights_alive():
+    """Programs compiled after parallelize (a new shape, eval mode) trace a weightless copy of the model,
+    so `del model` frees its weights (a whole host copy per rank for a from_pretrained model), and those
+    programs still compute the model's loss."""
+    import gc
+    import weakref
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    ref = copy.deepcopy(model).eval()
+    alive = weakref.ref(model.model.layers[0].mlp.up_proj.weight)
+    ids = torch.randint(0, 64, (2, 8))
+    pm = autoshard.parallelize(model, {"tp": 1}, (), dict(input_ids=ids, labels=ids, use_cache=False))
+    del model
+    gc.collect()
+    assert alive() is None
+    short = torch.randint(0, 64, (1, 5))
+    pm.eval()
+    with torch.no_grad():
+        got = pm(input_ids=short, labels=short, use_cache=False).loss
+        want = ref(input_ids=short, labels=short, use_cache=False).loss
+    assert abs(float(got) - float(want)) <= 1e-6 * float(want) and len(pm.programs) == 2

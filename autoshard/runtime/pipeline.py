@@ -84,7 +84,9 @@ class PipelineModule(training.TrainingMethods, nn.Module):
                                          persistent=i.name in self._persistent)
                     self._buffers_by_name[i.name] = attr
                     self._buffer_names.append(i.name)
-        self._constants = {k: to_device(v.detach().clone(), self.device) for k, v in program.captured.constants.items()}
+        # (a constant on meta is a buffer of a weightless twin's trace (api.weightless_twin): read from the buffers)
+        self._constants = {k: to_device(v.detach().clone(), self.device) for k, v in program.captured.constants.items()
+                           if not v.is_meta}
         self.graphs = nn.ModuleDict({str(c.index): bind(c.gm, self.comms, self.device) for c in program.own})
         self.last_timeline: Timeline | None = None
         out = dump_dir(program.options.dump)
