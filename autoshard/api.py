@@ -263,6 +263,28 @@ def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example
     return prog
 
 
+def _fitting_microbatches(popts: PipelineOptions, pp: int, args, kwargs) -> PipelineOptions:
+    """The pipeline options for a batch of another size (an epoch's short last batch): the same, unless
+    ``microbatches`` does not divide its rows; then the most microbatches at most that many which do, and
+    which the schedule takes. The loss stays the whole batch's (sum over count), whatever the count."""
+    sizes = {x.shape[0] for x in torch.utils._pytree.tree_leaves((args, kwargs))
+             if isinstance(x, torch.Tensor) and x.dim() >= 1}
+    rows, m = (sizes.pop() if len(sizes) == 1 else None), popts.microbatches
+    if rows is None or rows % m == 0:
+        return popts            # (split_batch explains anything else)
+    for d in range(min(m, rows), 0, -1):
+        if rows % d:
+            continue
+        try:
+            validate(add_communication(make_schedule(popts.schedule, pp, d, popts.virtual_stages)))
+        except ValueError:
+            continue
+        log.warning("autoshard: a batch of %d rows runs as %d microbatches (microbatches=%d does not divide it); "
+                    "the loss and gradients are still the whole batch's", rows, d, m)
+        return dataclasses.replace(popts, microbatches=d)
+    return popts
+
+
 def _tie_groups(spec, rank: int, ties: dict) -> dict:
     """One process group per set of pp ranks sharing a weight, for every (dp, tp) coordinate: every rank
     creates every group in the same order (``new_group`` is collective), and keeps its own."""
@@ -359,7 +381,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
             """Another program of this pipeline (eval mode, or another batch shape) on the training
             program's cuts and placements, so it runs on the same parameter shards."""
             pins = {r.name: r.spec.tp for r in train.params}
-            popts = dataclasses.replace(options.pipeline, stretches=tuple(train.plan.stretches))
+            popts = dataclasses.replace(_fitting_microbatches(options.pipeline, spec.pp, args, kwargs),
+                                        stretches=tuple(train.plan.stretches))
             later = dataclasses.replace(options, pins={**pins, **options.pins}, dump=None, pipeline=popts)
             return compile_pipeline(model, spec, rank, args, kwargs, later, training=training)
         pm._twin_compiler = twin_compiler
@@ -375,7 +398,7 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
 
     def step_compiler(args, kwargs, pinned, training=True):
         out = dump_dir(options.dump)   # the step program's dumps go beside the forward's, in step/
-        popts = step_options.pipeline or PipelineOptions()
+        popts = _fitting_microbatches(step_options.pipeline or PipelineOptions(), spec.pp, args, kwargs)
         if not training:               # pm.eval_batch: one stage, as the training step's
             popts = dataclasses.replace(popts, stretches=())
         later = dataclasses.replace(step_options, pins={**pinned, **options.pins},

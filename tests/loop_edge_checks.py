@@ -190,10 +190,14 @@ def summed_loss_over_microbatches_and_dp(rank, world):
     short, _ = batch("gpt", VOCAB, B=4, seed=98)
     short_loss = float(pm.step(*autoshard.local_batch((short, {}), mesh)[0]))
     short_eval = float(pm.eval_batch(*autoshard.local_batch((short, {}), mesh)[0]))
+    # ... and one of 6 rows, 3 per replica, which microbatches=2 does not divide: it runs as 1 microbatch
+    odd, _ = batch("gpt", VOCAB, B=6, seed=97)
+    odd_loss = float(pm.step(*autoshard.local_batch((odd, {}), mesh)[0]))
     with torch.no_grad():
         want_short = float(ref(*short))
+        want_odd = float(ref(*odd))
     return dict(loss=loss, ref_loss=float(ref_loss), worst=worst, short_loss=short_loss, short_eval=short_eval,
-                want_short=want_short)
+                want_short=want_short, odd_loss=odd_loss, want_odd=want_odd)
 
 
 def eval_batch_is_the_eval_mode_loss(rank, world):
