@@ -48,31 +48,11 @@ def compute_twin(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     keep their dtype (rotary tables stay fp32, as the model computes them)."""
     memo = {}
     for p in model.parameters():
-        as_dtype = dtype if dtype is not None and p.is_floating_point() else p.dtype
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta", dtype=as_dtype), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta", dtype=dtype if p.is_floating_point() else p.dtype),
+                                   requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(model, memo)
-
-
-def weightless_twin(model: nn.Module, captured: Captured) -> nn.Module:
-    """A copy of ``model`` with every parameter and buffer on ``meta``: what the programs compiled after
-    ``parallelize`` (new shapes, eval mode) are traced from, so ``pm`` does not keep the user's weights
-    alive (``del model`` frees them: a whole host copy per rank, for a model loaded with
-    ``from_pretrained`` on every rank). Its buffers' values come from ``pm``'s copies at run time. A model
-    whose forward makes tensor constants (lifted by export, ``captured.constants``, that are not its
-    buffers) is kept as it is: traced on ``meta``, they would have no values; so is one ``deepcopy``
-    cannot copy."""
-    buffers = dict(model.named_buffers())
-    made = [k for k in captured.constants if k not in buffers]
-    if made:
-        log.info("autoshard: keeping the model for later compiles (its forward makes constants: %s)", made)
-        return model
-    try:
-        return compute_twin(model, None)
-    except Exception as e:  # noqa: BLE001 - a model with uncopyable state still compiles, from itself
-        log.info("autoshard: keeping the model for later compiles (it cannot be deep-copied: %s)", e)
-        return model
 
 
 @contextmanager
@@ -375,7 +355,6 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
         p2p = _p2p_groups(spec, rank) if real_mesh else {}
         pm = PipelineModule(program, model, comms, mesh["tp"] if real_mesh else None, peers, ties, p2p_groups=p2p)
         pm.max_programs = max_programs
-        model = weightless_twin(model, program.captured)   # later programs trace this, not the weights
 
         def twin_compiler(train, args, kwargs, training):
             """Another program of this pipeline (eval mode, or another batch shape) on the training
@@ -390,11 +369,10 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     step_options = options
     options = dataclasses.replace(options, pipeline=None)
     prog = compile_rank(model, spec, rank, example_args, example_kwargs, options)
-    source = weightless_twin(model, prog.captured)   # later programs trace this, not the weights
 
     def compiler(args, kwargs, training, pinned):
         later = dataclasses.replace(options, pins={**pinned, **options.pins}, dump=None)
-        return compile_rank(source, spec, rank, args, kwargs, later, training=training)
+        return compile_rank(model, spec, rank, args, kwargs, later, training=training)
 
     def step_compiler(args, kwargs, pinned, training=True):
         out = dump_dir(options.dump)   # the step program's dumps go beside the forward's, in step/
@@ -403,7 +381,7 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
             popts = dataclasses.replace(popts, stretches=())
         later = dataclasses.replace(step_options, pins={**pinned, **options.pins},
                                     dump=out and training and f"{out}/step" or None, pipeline=popts)
-        return compile_pipeline(source, spec, rank, args, kwargs, later, training=training)
+        return compile_pipeline(model, spec, rank, args, kwargs, later, training=training)
 
     comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
     tp_mesh = mesh["tp"] if real_mesh else None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 
 import torch
@@ -33,8 +34,14 @@ def init_mesh(tp: int = 1, dp: int = 1, pp: int = 1) -> DeviceMesh:
     if spec.size != world:
         raise ValueError(f"mesh dp={dp} x pp={pp} x tp={tp} = {spec.size} ranks, but the world has {world}: "
                          f"make the product of the axis sizes equal the number of processes")
-    return init_device_mesh("cuda" if cuda else "cpu", (dp, pp, tp), mesh_dim_names=AXES,
-                            backend_override=_bounded_axes())
+    bounded = {"backend_override": _bounded_axes()} if spec.size > 1 and _has_backend_override() else {}
+    return init_device_mesh("cuda" if cuda else "cpu", (dp, pp, tp), mesh_dim_names=AXES, **bounded)
+
+
+def _has_backend_override() -> bool:
+    """torch >= 2.9 lets a mesh give its axes' groups options (here: the timeout); older ones keep
+    torch's default timeout for them."""
+    return "backend_override" in inspect.signature(init_device_mesh).parameters
 
 
 def group_timeout() -> datetime.timedelta:

@@ -49,16 +49,27 @@ def collectives_time(steps, nbytes, t, cm: CostModel, stream_bytes: int = 0):
 
 
 def residual_stream_bytes(gm) -> int:
-    """Bytes of the residual stream: the largest token embedding the graph looks up (``aten.embedding``),
-    else the largest floating input (a model called with ``inputs_embeds``); 0 when there is neither
-    (every replica is then priced as memory)."""
+    """Bytes of the residual stream: the largest token embedding, an ``aten.embedding`` indexed by an
+    integer user input (``input_ids``, through views), else the largest floating user input (a model
+    called with ``inputs_embeds``); 0 when there is neither (every replica is then priced as memory). A
+    lookup indexed by a computed tensor (a position table's ``arange``, T5's bucketed relative positions)
+    is not the stream: it has no batch dim, or a position-pair one."""
+    aten = torch.ops.aten
+    views = {aten.view, aten.reshape, aten._unsafe_view, aten.clone, aten.contiguous, aten.alias}
+
+    def from_user_input(n) -> bool:
+        while n.op == "call_function" and getattr(n.target, "overloadpacket", None) in views:
+            n = n.args[0]
+        return n.op == "placeholder" and M.KIND.get(n, None) == "input"
+
     embeddings, inputs = [0], [0]
     for n in gm.graph.nodes:
         v = n.meta.get("val")
         if not isinstance(v, torch.Tensor) or not v.is_floating_point():
             continue
         size = v.numel() * v.element_size()
-        if n.op == "call_function" and getattr(n.target, "overloadpacket", None) is torch.ops.aten.embedding:
+        if (n.op == "call_function" and getattr(n.target, "overloadpacket", None) is aten.embedding
+                and from_user_input(n.args[1])):
             embeddings.append(size)
         elif n.op == "placeholder" and M.KIND.get(n, None) == "input":
             inputs.append(size)

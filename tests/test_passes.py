@@ -105,6 +105,23 @@ def test_plan_is_megatrons_on_rmsnorm_models(family):
     assert kinds[("fwd", "reduce_scatter")] == 0 and kinds[("fwd", "all_reduce")] == 2 * 2 + 3, kinds
 
 
+def test_residual_stream_is_the_token_embedding_or_inputs_embeds():
+    """What the replica price measures against: the token embedding looked up from input_ids (through
+    views), or inputs_embeds; never a position table (no batch dim) or T5's relative-position bias."""
+    import transformers as T
+    from autoshard.passes.cost import residual_stream_bytes
+    torch.manual_seed(0)
+    gpt2 = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16))
+    ids = torch.randint(0, 64, (4, 16))
+    stream = 4 * 16 * 32 * 4
+    assert residual_stream_bytes(capture(gpt2, (), dict(input_ids=ids, labels=ids)).gm) == stream
+    embeds = torch.randn(4, 16, 32)
+    assert residual_stream_bytes(capture(gpt2, (), dict(inputs_embeds=embeds, labels=ids)).gm) == stream
+    t5 = T.T5ForConditionalGeneration(T.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                                 num_heads=4, decoder_start_token_id=0))
+    assert residual_stream_bytes(capture(t5, (), dict(input_ids=ids, labels=ids, use_cache=False)).gm) == stream
+
+
 def test_plan_separate_qkv_and_untied_head():
     pl, _ = planned("gpt", t=2, n_layer=1, fused_qkv=False, tie_weights=False)
     for w in ("q_proj", "k_proj", "v_proj"):

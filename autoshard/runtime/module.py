@@ -88,7 +88,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self.__dict__["_steppers"] = ProgramCache(lambda: self.max_programs, "pm.step program", on_drop=lambda s: s.close())
         self.train(model.training)
         self._check_ranks_agree(program)
-        training.check_same_weights(model, "parallelize")   # over the whole world: tp, dp and pp ranks
+        training.check_same_weights(model, "parallelize", program.mesh.size)   # over the world: tp, dp, pp ranks
         captured = program.captured
         sig = tuple(leaf + (rg,) if isinstance(leaf, tuple) and len(leaf) == 2 and isinstance(leaf[1], torch.dtype)
                     else leaf for leaf, rg in zip(captured.example_leaves, captured.example_requires_grad))

@@ -231,30 +231,31 @@ def model_buffers(model: nn.Module) -> dict:
 
 
 def _rebuilt_buffer(model, name, b, persistent):
+    """Rebuild one meta buffer on scratch copies of its module: an init rebuilt it when two copies, filled
+    beforehand with different sentinels (0 and 1, False and True), come out equal."""
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name)
-    scratch = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
-    value = getattr(scratch, leaf)
-    if value.is_floating_point():
-        value.fill_(float("nan"))              # what no init wrote stays NaN
     tried = []
-    for how, init in (("_init_weights", getattr(model, "_init_weights", None)),
-                      ("reset_parameters", getattr(scratch, "reset_parameters", None))):
-        if not callable(init):
+    for how in ("_init_weights", "reset_parameters"):
+        if not callable(getattr(model if how == "_init_weights" else owner, how, None)):
             continue
         tried.append(how)
-        with torch.random.fork_rng(devices=[]):
-            torch.random.default_generator.manual_seed(zlib.crc32(name.encode()))
-            init(scratch) if how == "_init_weights" else init()
-        value = getattr(scratch, leaf)
-        if value.is_floating_point() and not bool(value.isnan().all()):
-            return value.detach()
-    if persistent or not value.is_floating_point():
-        warnings.warn(f"buffer '{name}' ({type(owner).__name__}) is on the meta device and "
-                      f"{' or '.join(tried) or 'no init'} rebuilds it: it starts at zeros; load it with "
-                      "load_full_state_dict")
-        return torch.zeros_like(value)
+        values = []
+        for sentinel in (0, 1):
+            scratch = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
+            getattr(scratch, leaf).fill_(sentinel)
+            with torch.random.fork_rng(devices=[]):
+                torch.random.default_generator.manual_seed(zlib.crc32(name.encode()))
+                model._init_weights(scratch) if how == "_init_weights" else scratch.reset_parameters()
+            values.append(getattr(scratch, leaf).detach())
+        if torch.equal(values[0], values[1]):
+            return values[0]
+    rebuilt_by = " or ".join(tried) or "no init"
+    if persistent:
+        warnings.warn(f"buffer '{name}' ({type(owner).__name__}) is on the meta device and {rebuilt_by} rebuilds "
+                      "it: it starts at zeros; load it with load_full_state_dict")
+        return torch.zeros_like(b, device="cpu")
     raise ValueError(f"buffer '{name}' of '{owner_name}' ({type(owner).__name__}) is on the meta device and is not "
-                     f"saved in a state dict, and {' or '.join(tried) or 'nothing'} rebuilds it: build the model "
-                     "with that buffer on a real device (create it after leaving the meta context), or give "
+                     f"saved in a state dict, and {rebuilt_by} rebuilds it: build the model with that buffer on a "
+                     "real device (create it after leaving the meta context), or give "
                      f"{type(owner).__name__} a reset_parameters() that computes it")

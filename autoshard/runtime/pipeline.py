@@ -84,9 +84,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
                                          persistent=i.name in self._persistent)
                     self._buffers_by_name[i.name] = attr
                     self._buffer_names.append(i.name)
-        # (a constant on meta is a buffer of a weightless twin's trace (api.weightless_twin): read from the buffers)
-        self._constants = {k: to_device(v.detach().clone(), self.device) for k, v in program.captured.constants.items()
-                           if not v.is_meta}
+        self._constants = {k: to_device(v.detach().clone(), self.device) for k, v in program.captured.constants.items()}
         self.graphs = nn.ModuleDict({str(c.index): bind(c.gm, self.comms, self.device) for c in program.own})
         self.last_timeline: Timeline | None = None
         out = dump_dir(program.options.dump)
@@ -104,7 +102,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         self.measure_memory = self._dump is not None
         self.train(True)
         if model is not None:
-            training.check_same_weights(model, "parallelize")   # every rank: its stages, replica and tied copies
+            training.check_same_weights(model, "parallelize", program.mesh.size)   # stages, replicas, tied copies
         # state_dict() with the model's own names, as ParallelModule's (this rank's stages only)
         self._register_state_dict_hook(_state_dict_names)
         self._register_load_state_dict_pre_hook(_load_state_dict_names, with_module=True)

@@ -108,13 +108,13 @@ def _compare(comm, tensors: dict, who: str) -> None:
                            "local norm, a different seed); training from here trains different models")
 
 
-def check_same_weights(model, where: str) -> None:
+def check_same_weights(model, where: str, mesh_size: int) -> None:
     """At set-up, on every rank: every rank built its model from the same weights (one digest a rank,
     all-gathered over the whole world). Each rank takes its shards from its own copy, so a forgotten seed
     would make the tp shards pieces of different models, the dp replicas different models, and a tied
     weight's two pipeline copies different tensors: an error naming the fix instead, before training."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
+    if mesh_size == 1 or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return          # a one-rank module (rank 0's evaluation copy, say) may be built on some ranks only
     digest = hashlib.sha1()
     for name, p in model.named_parameters():
         if not p.is_meta:     # a meta parameter is drawn from its name, the same on every rank
