@@ -35,6 +35,7 @@ from autoshard.passes.stages import split_chunks
 from autoshard.passes.shapes import module_path
 from autoshard.runtime.comm import comms_for_mesh
 from autoshard.runtime.device import to_device
+from autoshard.runtime.executor import row_counts
 from autoshard.runtime.module import ParallelModule
 from autoshard.runtime.pipeline import PipelineModule, split_batch
 
@@ -247,8 +248,7 @@ def _fitting_microbatches(popts: PipelineOptions, pp: int, args, kwargs) -> Pipe
     """The pipeline options for a batch of another size (an epoch's short last batch): the same, unless
     ``microbatches`` does not divide its rows; then the most microbatches at most that many which do, and
     which the schedule takes. The loss stays the whole batch's (sum over count), whatever the count."""
-    sizes = {x.shape[0] for x in torch.utils._pytree.tree_leaves((args, kwargs))
-             if isinstance(x, torch.Tensor) and x.dim() >= 1}
+    sizes = row_counts(torch.utils._pytree.tree_leaves((args, kwargs)))
     rows, m = (sizes.pop() if len(sizes) == 1 else None), popts.microbatches
     if rows is None or rows % m == 0:
         return popts            # (split_batch explains anything else)
@@ -265,38 +265,35 @@ def _fitting_microbatches(popts: PipelineOptions, pp: int, args, kwargs) -> Pipe
     return popts
 
 
-def _tie_groups(spec, rank: int, ties: dict) -> dict:
-    """One process group per set of pp ranks sharing a weight, for every (dp, tp) coordinate: every rank
-    creates every group in the same order (``new_group`` is collective), and keeps its own."""
-    mine, coords = {}, spec.coords(rank)
-    for ranks in sorted({tuple(r) for r in ties.values()}):
+def _pp_groups(spec, rank: int, pp_sets) -> dict:
+    """One process group per tuple of pp ranks in ``pp_sets``, for every (dp, tp) coordinate, created in
+    the same order on every rank (``new_group`` is collective, even for ranks outside it), bounded by
+    ``AUTOSHARD_TIMEOUT``; this rank keeps ``{pp tuple: group}`` for the tuples it is in."""
+    mine = {}
+    for ranks in pp_sets:
         for dp in range(spec.dp):
             for tp in range(spec.tp):
                 members = [spec.rank_of({"dp": dp, "pp": r, "tp": tp}) for r in ranks]
                 group = dist.new_group(members, timeout=group_timeout())
-                if rank in members and (dp, tp) == (coords["dp"], coords["tp"]):
+                if rank in members:
                     mine[ranks] = group
+    return mine
+
+
+def _tie_groups(spec, rank: int, ties: dict) -> dict:
+    """The group of the pp ranks sharing each tied weight (``name -> group``), this rank's only."""
+    mine = _pp_groups(spec, rank, sorted({tuple(r) for r in ties.values()}))
     return {name: mine[tuple(r)] for name, r in ties.items() if tuple(r) in mine}
 
 
 def _p2p_groups(spec, rank: int) -> dict:
-    """One two-rank process group per ordered pair of neighbouring pp ranks (src, dst), for every (dp, tp)
-    coordinate, created in the same order on every rank; this rank keeps ``{(src, dst): group}`` for its
-    own pairs. The executor sends each transfer on its direction's group: NCCL runs a communicator's
-    transfers in order on one stream, and with one group for both directions the interleaved schedule's
-    transfers wait on each other in a cycle once activations outgrow NCCL's buffers (a simulation of
-    every schedule, pp 2-8, m up to 32: a deadlock in 18 interleaved cases; none with a group a
-    direction)."""
-    pairs = sorted({(r, (r + 1) % spec.pp) for r in range(spec.pp)} | {((r + 1) % spec.pp, r) for r in range(spec.pp)})
-    mine, coords = {}, spec.coords(rank)
-    for src, dst in pairs:
-        for dp in range(spec.dp):
-            for tp in range(spec.tp):
-                members = [spec.rank_of({"dp": dp, "pp": r, "tp": tp}) for r in (src, dst)]
-                group = dist.new_group(members, timeout=group_timeout())
-                if (dp, tp) == (coords["dp"], coords["tp"]) and coords["pp"] in (src, dst):
-                    mine[src, dst] = group
-    return mine
+    """One two-rank group per ordered pair of neighbouring pp ranks ``(src, dst)``: the executor sends each
+    transfer on its direction's group. NCCL runs a communicator's transfers in order on one stream, and
+    with one group for both directions the interleaved schedule's transfers wait on each other in a cycle
+    once activations outgrow NCCL's buffers (a simulation of every schedule, pp 2-8, m up to 32: a
+    deadlock in 18 interleaved cases; none with a group a direction)."""
+    pp = spec.pp
+    return _pp_groups(spec, rank, sorted({(r, (r + 1) % pp) for r in range(pp)} | {((r + 1) % pp, r) for r in range(pp)}))
 
 
 def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *, pins: dict | None = None,

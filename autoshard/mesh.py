@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autoshard.ir.mesh import AXES, MeshSpec
-from autoshard.ir.options import default_backend, pg_timeout_seconds
+from autoshard.ir.options import default_backend, pg_timeout_seconds, uses_nccl
 
 
 def init_mesh(tp: int = 1, dp: int = 1, pp: int = 1) -> DeviceMesh:
@@ -29,7 +29,7 @@ def init_mesh(tp: int = 1, dp: int = 1, pp: int = 1) -> DeviceMesh:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=group_timeout())
-    cuda = "nccl" in str(dist.get_backend())   # the mesh lives where the process group communicates
+    cuda = uses_nccl()   # the mesh lives where the process group communicates
     world = dist.get_world_size()
     if spec.size != world:
         raise ValueError(f"mesh dp={dp} x pp={pp} x tp={tp} = {spec.size} ranks, but the world has {world}: "

@@ -21,7 +21,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed
 import torch.fx as fx
 from torch.fx.passes.tools_common import stable_topological_sort
 from torch.fx.passes.utils.fuser_utils import erase_nodes, fuse_as_graphmodule, insert_subgm, validate_partition
@@ -29,7 +28,7 @@ from torch.fx.passes.utils.fuser_utils import erase_nodes, fuse_as_graphmodule, 
 from autoshard.ir import meta as M
 from autoshard.ir.pipeline import STAGE_PLAN
 from autoshard.ir.fusion import FusionGroup, FusionReport, KernelRecord, Unfused
-from autoshard.ir.options import default_backend
+from autoshard.ir.options import uses_nccl
 from autoshard.passes.dropout_rng import rewrite_dropout
 
 class FusionUnavailable(RuntimeError):
@@ -39,11 +38,7 @@ class FusionUnavailable(RuntimeError):
 def _runs_on_cuda() -> bool:
     """Whether the program will run on CUDA: CUDA is there and the processes talk NCCL (a gloo run on a GPU
     machine, the test suite's, computes on the CPU)."""
-    if not torch.cuda.is_available():
-        return False
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return "nccl" in str(torch.distributed.get_backend())
-    return default_backend() == "nccl"
+    return torch.cuda.is_available() and uses_nccl()
 
 
 def _decide(mode) -> tuple:

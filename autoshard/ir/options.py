@@ -33,6 +33,15 @@ def default_backend() -> str:
     return chosen or ("nccl" if torch.cuda.is_available() else "gloo")
 
 
+def uses_nccl() -> bool:
+    """Whether the processes talk NCCL: the initialised process group's backend, else the one autoshard
+    would start (``default_backend``)."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return "nccl" in str(dist.get_backend())
+    return default_backend() == "nccl"
+
+
 def check_replicas_every() -> int:
     """``AUTOSHARD_CHECK_REPLICAS=N``: compare replicated parameters across ranks every N training steps."""
     return int(os.environ.get("AUTOSHARD_CHECK_REPLICAS", "0") or 0)

@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from autoshard.ir.options import uses_nccl
+
 
 def collective_device() -> torch.device:
     """Where a tensor must live for the process groups' collectives: NCCL takes only CUDA tensors (the
     current device), gloo CPU ones. For the small tensors a rank makes itself (a norm with no gradients, a
     batch fingerprint), whatever device the model's tensors are on."""
-    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_available() and dist.is_initialized() and uses_nccl():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -37,6 +37,11 @@ def to_device(tree, device: torch.device | None):
     return pytree.tree_map_only(torch.Tensor, lambda x: x if x.device == device else x.to(device), tree)
 
 
+def owned(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    """A copy of ``t`` of the module's own, on ``device`` (one copy, also when it moves)."""
+    return t.detach().to(t.device if device is None else device, copy=True)
+
+
 def retarget(gm: fx.GraphModule, device: torch.device | None) -> fx.GraphModule:
     """Point every device literal of ``gm``'s graph at ``device`` (in place; ``gm`` is the bound copy)."""
     if device is None:

@@ -36,10 +36,15 @@ class PipelineError(RuntimeError):
     """A pipeline transfer failed or timed out: a peer rank raised, died or is stuck."""
 
 
+def row_counts(leaves: list) -> set:
+    """The dim-0 sizes of a call's tensors (one, for a batch ``pm.step`` can split)."""
+    return {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() >= 1}
+
+
 def split_batch(leaves: list, m: int, example_leaves: list | None = None) -> list:
     """Per microbatch, the flattened call leaves: every tensor cut into m equal slices along dim 0 (and
     checked against the compiled microbatch's ``example_leaves``, when given)."""
-    sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() >= 1}
+    sizes = row_counts(leaves)
     if len(sizes) > 1:
         raise ValueError(f"pm.step splits every tensor input along dim 0 into microbatches, but their first "
                          f"dims differ: {sorted(sizes)}; pass batch-first tensors of one batch size")

@@ -26,7 +26,7 @@ from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch
 from autoshard.runtime.bind import bind
 from autoshard.runtime.comm import AxisComm
 from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
-from autoshard.runtime.device import mesh_device, to_device
+from autoshard.runtime.device import mesh_device, owned, to_device
 from autoshard.runtime.params import ShardedParameters, model_buffers
 from autoshard.runtime.program_cache import ProgramCache
 
@@ -70,8 +70,8 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self.params = ShardedParameters(program.params, model, self.comms["tp"], tp_mesh)
         self.aliases = dict(program.captured.aliases)
         self.device = mesh_device(tp_mesh)              # where this rank computes (runtime/device.py)
-        self._model_buffers = model_buffers(model)      # a buffer on meta rebuilt, as the model would
         self._persistent = set(model.state_dict().keys())
+        self._model_buffers = model_buffers(model, self._persistent)   # a buffer on meta rebuilt, as the model would
         self._buffer_names = []              # the model's buffers, registered as b0, b1, ... (names may hold "__")
         self._buffer_attr = {}               # buffer name -> its attribute (b0, b1, ...)
         self._check_every = check_replicas_every()
@@ -116,8 +116,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             return False
         if name not in self._buffer_attr:
             self._buffer_attr[name] = f"b{len(self._buffer_names)}"
-            self.register_buffer(self._buffer_attr[name], to_device(self._model_buffers[name].detach().clone(),
-                                                                    self.device),
+            self.register_buffer(self._buffer_attr[name], owned(self._model_buffers[name], self.device),
                                  persistent=name in self._persistent)
             self._buffer_names.append(name)
         return True
@@ -137,7 +136,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             if self._ensure_buffer(name):
                 continue
             if name in program.captured.constants:
-                constants[name] = to_device(program.captured.constants[name].detach().clone(), self.device)
+                constants[name] = owned(program.captured.constants[name], self.device)
             else:
                 raise ValueError(f"buffer or constant '{name}' of the captured graph was not found in the model")
         self._programs.put(k, (program, bind(program.gm, self.comms, self.device), constants))   # (.program keeps the first)

@@ -204,27 +204,24 @@ class ShardedParameters(nn.Module):
         """
         owner_name, _, leaf = name.rpartition(".")
         owner = model.get_submodule(owner_name)
-        scratch = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
-        if hasattr(scratch, "reset_parameters"):
-            with torch.random.fork_rng(devices=[]):
-                torch.random.default_generator.manual_seed(zlib.crc32(name.encode()))   # CPU only: CUDA streams untouched
-                scratch.reset_parameters()
-        else:
+        if not hasattr(owner, "reset_parameters"):
             warnings.warn(f"parameter '{name}' is on the meta device and {type(owner).__name__} has no "
                           "reset_parameters(): it starts uninitialised; load weights with load_full_state_dict")
+        scratch = _on_scratch(owner, name, lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
         return getattr(scratch, leaf).detach()
 
 
 @torch.no_grad()
-def model_buffers(model: nn.Module) -> dict:
+def model_buffers(model: nn.Module, persistent: set | None = None) -> dict:
     """The model's buffers by name, as a program reads them: real tensors. A buffer on ``meta`` (a model
     built under ``torch.device("meta")``) is rebuilt on a scratch copy of its module, the way the model
     itself would: HF's ``_init_weights`` recomputes a rotary ``inv_freq`` (what ``from_pretrained`` does for
     its non-persistent buffers), a torch module's ``reset_parameters`` resets BatchNorm statistics. A
     persistent buffer neither rebuilds starts at zeros, with a warning, for ``load_full_state_dict``; a
-    non-persistent one (no checkpoint holds it) is an error naming it, before any collective."""
+    non-persistent one (no checkpoint holds it) is an error naming it, before any collective.
+    ``persistent``: the names ``model.state_dict()`` holds (computed when not given)."""
+    persistent = set(model.state_dict()) if persistent is None else persistent
     out = {}
-    persistent = set(model.state_dict().keys())
     for name, b in model.named_buffers():
         out[name] = b if not b.is_meta else _rebuilt_buffer(model, name, b, name in persistent)
     return out
@@ -240,14 +237,9 @@ def _rebuilt_buffer(model, name, b, persistent):
         if not callable(getattr(model if how == "_init_weights" else owner, how, None)):
             continue
         tried.append(how)
-        values = []
-        for sentinel in (0, 1):
-            scratch = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
-            getattr(scratch, leaf).fill_(sentinel)
-            with torch.random.fork_rng(devices=[]):
-                torch.random.default_generator.manual_seed(zlib.crc32(name.encode()))
-                model._init_weights(scratch) if how == "_init_weights" else scratch.reset_parameters()
-            values.append(getattr(scratch, leaf).detach())
+        init = model._init_weights if how == "_init_weights" else (lambda m: m.reset_parameters())
+        values = [getattr(_on_scratch(owner, name, init, lambda m, v=sentinel: getattr(m, leaf).fill_(v)), leaf).detach()
+                  for sentinel in (0, 1)]
         if torch.equal(values[0], values[1]):
             return values[0]
     rebuilt_by = " or ".join(tried) or "no init"
@@ -259,3 +251,16 @@ def _rebuilt_buffer(model, name, b, persistent):
                      f"saved in a state dict, and {rebuilt_by} rebuilds it: build the model with that buffer on a "
                      "real device (create it after leaving the meta context), or give "
                      f"{type(owner).__name__} a reset_parameters() that computes it")
+
+
+def _on_scratch(owner: nn.Module, name: str, init, fill=None) -> nn.Module:
+    """A CPU copy of ``owner`` whose own parameters and buffers are fresh (``fill``ed, when given), after
+    ``init(copy)`` ran seeded from ``name`` (every rank draws the same values, two tensors not the same
+    ones) inside a forked CPU random stream (the caller's, and every CUDA generator, untouched)."""
+    scratch = copy.deepcopy(owner).to_empty(device="cpu", recurse=False)
+    if fill is not None:
+        fill(scratch)
+    with torch.random.fork_rng(devices=[]):
+        torch.random.default_generator.manual_seed(zlib.crc32(name.encode()))
+        init(scratch)
+    return scratch

@@ -34,7 +34,7 @@ from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer
 from autoshard.runtime.executor import Denominator, PipelineError, Run, split_batch
 from autoshard.runtime.module import _load_state_dict_names, _state_dict_names, program_key
 from autoshard.runtime.program_cache import ProgramCache
-from autoshard.runtime.device import mesh_device, to_device
+from autoshard.runtime.device import mesh_device, owned, to_device
 from autoshard.runtime.params import ShardedParameters, model_buffers
 
 log = logging.getLogger("autoshard")
@@ -72,19 +72,19 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         # a tied weight is counted once in the gradient norm: by the lowest pp rank holding it
         self.duplicate_params = {n for n, ranks in ties.items() if ranks[0] != program.pp_rank}
         self.timeout = datetime.timedelta(seconds=pg_timeout_seconds())
-        buffers = model_buffers(model) if model is not None else {}   # a buffer on meta rebuilt, as the model would
         self._persistent = set(model.state_dict().keys()) if model is not None else set()
+        buffers = model_buffers(model, self._persistent) if model is not None else {}   # meta ones rebuilt
         self._buffer_source = buffer_source
         self._buffers_by_name, self._buffer_names = {}, []   # buffer name -> attribute b0, b1, ... (and in order)
         for c in program.own:
             for i in c.inputs:
                 if i.kind == "buffer" and i.name in buffers and i.name not in self._buffers_by_name:
                     attr = f"b{len(self._buffers_by_name)}"
-                    self.register_buffer(attr, to_device(buffers[i.name].detach().clone(), self.device),
+                    self.register_buffer(attr, owned(buffers[i.name], self.device),
                                          persistent=i.name in self._persistent)
                     self._buffers_by_name[i.name] = attr
                     self._buffer_names.append(i.name)
-        self._constants = {k: to_device(v.detach().clone(), self.device) for k, v in program.captured.constants.items()}
+        self._constants = {k: owned(v, self.device) for k, v in program.captured.constants.items()}
         self.graphs = nn.ModuleDict({str(c.index): bind(c.gm, self.comms, self.device) for c in program.own})
         self.last_timeline: Timeline | None = None
         out = dump_dir(program.options.dump)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from autoshard.ir.placement import Shard
-from autoshard.runtime.comm import CommCounting, collective_device
+from autoshard.runtime.comm import AxisComm, CommCounting, collective_device
 
 
 def _local_grads(pm):
@@ -85,25 +85,23 @@ def check_replicas(pm):
     _compare(pm.comms.get("dp"), local, "data-parallel replicas")
     for name, group in getattr(pm, "tie_groups", {}).items():
         if name in local and group is not None:
-            _compare(group, {name: local[name]}, "pipeline stages holding the tied weight")
+            tied = AxisComm("pp", dist.get_world_size(group), dist.get_rank(group), group)
+            _compare(tied, {name: local[name]}, "pipeline stages holding the tied weight")
 
 
 def _compare(comm, tensors: dict, who: str) -> None:
-    """Raise if ``tensors`` differ (by digest) between the ranks of ``comm`` (an AxisComm or a process group)."""
-    size = getattr(comm, "size", None) if comm is not None and not isinstance(comm, dist.ProcessGroup) else (
-        dist.get_world_size(comm) if comm is not None else 1)
-    if size is None or size == 1:
+    """Raise if ``tensors`` differ (by digest) between the ranks of ``comm`` (an ``AxisComm``, or None)."""
+    if comm is None or comm.size == 1:
         return
     mine = {n: _digest(t) for n, t in tensors.items()}
-    group = comm if isinstance(comm, dist.ProcessGroup) else comm.group
-    if group is None:  # the thread simulator: its communicator exchanges tensors, not objects
+    if comm.group is None:  # the thread simulator: its communicator exchanges tensors, not objects
         every = comm.exchange_objects(mine)
     else:
-        every = [None] * size
-        dist.all_gather_object(every, mine, group=group)
+        every = [None] * comm.size
+        dist.all_gather_object(every, mine, group=comm.group)
     drifted = sorted(n for n in mine if len({e.get(n) for e in every}) > 1)
     if drifted:
-        raise RuntimeError(f"parameters that should be identical differ between the {size} {who}: {drifted}. "
+        raise RuntimeError(f"parameters that should be identical differ between the {comm.size} {who}: {drifted}. "
                            "Something changed them on some ranks only (a per-rank gradient scale, a clip by a "
                            "local norm, a different seed); training from here trains different models")
 
