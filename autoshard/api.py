@@ -199,7 +199,7 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
         captured = _capture(model, example_args, example_kwargs, options,
                             training if training is not None else model.training)
     out = _rank_dump_dir(options, rank)
-    ctx = PassContext(spec, rank, options, out)
+    ctx = PassContext(spec, rank, _pins_by_graph_name(options, captured), out)
     local, timings = run_passes(captured.gm, ctx)
     prog = Program(local, captured, spec, rank, options, param_records(local), collective_records(local),
                    D.model_symbols(captured.gm), local.meta.get(M.PLAN_REPORT), timings,
@@ -207,6 +207,14 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
     if out:
         D.write_plan(prog, out)
     return prog
+
+
+def _pins_by_graph_name(options: CompileOptions, captured) -> CompileOptions:
+    """A pin given under a tied weight's other name (``lm_head.weight``) applies to the one tensor, which
+    the graph knows by its first name (``model.embed_tokens.weight``)."""
+    if not any(name in captured.aliases for name in options.pins):
+        return options
+    return dataclasses.replace(options, pins={captured.aliases.get(k, k): v for k, v in options.pins.items()})
 
 
 def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example_kwargs=None,
@@ -233,7 +241,7 @@ def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example
     args, kwargs = torch.utils._pytree.tree_unflatten(split_batch(leaves, popts.microbatches)[0], in_spec)
     captured = _capture(model, args, kwargs, options, training)
     out = _rank_dump_dir(options, rank)
-    local, timings = run_passes(captured.gm, PassContext(spec, rank, options, out))
+    local, timings = run_passes(captured.gm, PassContext(spec, rank, _pins_by_graph_name(options, captured), out))
     plan = local.meta[STAGE_PLAN]
     chunks, plan.recomputed = split_chunks(local, plan)
     prog = PipelineProgram(captured, spec, rank, options, chunks, schedule, plan, local.meta[LOSS_REWRITE],
@@ -262,7 +270,11 @@ def _fitting_microbatches(popts: PipelineOptions, pp: int, args, kwargs) -> Pipe
         log.warning("autoshard: a batch of %d rows runs as %d microbatches (microbatches=%d does not divide it); "
                     "the loss and gradients are still the whole batch's", rows, d, m)
         return dataclasses.replace(popts, microbatches=d)
-    return popts
+    fits = -(-rows // pp) * pp
+    raise ValueError(f"a batch of {rows} rows cannot run schedule={popts.schedule!r} at pp={pp}: the microbatch "
+                     f"count must divide the rows and be a multiple of pp={pp}, and no count up to microbatches={m} "
+                     f"is both. Use drop_last=True in the DataLoader for an epoch's short last batch, a batch of "
+                     f"{fits} rows (a multiple of pp), or schedule='1f1b', which takes any microbatch count")
 
 
 def _pp_groups(spec, rank: int, pp_sets) -> dict:

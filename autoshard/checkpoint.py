@@ -152,6 +152,27 @@ def save(pm, optimizer, path: str, step: int | None = None, scheduler=None) -> s
     return path
 
 
+def _tied_names_held(pm, held) -> dict:
+    """``{name: alias}`` for each tied weight the checkpoint holds under its other name only (saved before
+    autoshard named a tied weight as ``model.named_parameters()`` does: ``lm_head.weight``)."""
+    return {main: alias for alias, main in pm.aliases.items()
+            if f"model.{main}" not in held and f"model.{alias}" in held}
+
+
+def _renamed(values: dict, names: dict) -> dict:
+    """``values`` with each key ``<name>`` or ``<name>.<state key>`` under ``names[name]`` instead."""
+    if not names:
+        return values
+    out = {}
+    for key, value in values.items():
+        for old, new in names.items():
+            if key == old or key.startswith(old + "."):
+                key = new + key[len(old):]
+                break
+        out[key] = value
+    return out
+
+
 def load(pm, optimizer, path: str, scheduler=None) -> int | None:
     """Load a checkpoint written by ``save`` (on this mesh or another) into ``pm``, ``optimizer`` and the
     LR ``scheduler`` (optional; build it on ``optimizer`` first, as for the run that saved); every rank
@@ -182,13 +203,17 @@ def load(pm, optimizer, path: str, scheduler=None) -> int | None:
         raise ValueError(f"{path} holds " + (f"a {saved_schedule['class']} scheduler" if saved_schedule else
                                              "no LR scheduler (autoshard.save(..., scheduler=None))")
                          + f", not a {type(scheduler).__name__}: pass the scheduler the run saved, or scheduler=None")
-    state = {"model": pm.state_dict()}
+    held = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    renamed = _tied_names_held(pm, held)
+    state = {"model": _renamed(pm.state_dict(), renamed)}
     if optimizer is not None:
         _init_state(pm, optimizer)
-        held = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
         # a parameter not yet stepped when it was saved has no state there: it gets none here either
-        state["optim"] = {k: v for k, v in _optim_state(pm, optimizer).items() if f"optim.{k}" in held}
+        optim = _renamed(_optim_state(pm, optimizer), renamed)
+        state["optim"] = {k: v for k, v in optim.items() if f"optim.{k}" in held}
     dcp.load(state, checkpoint_id=path)
+    back = {v: k for k, v in renamed.items()}
+    state = {part: _renamed(values, back) for part, values in state.items()}
     pm.load_state_dict(state["model"])
     if optimizer is not None:
         inner = getattr(optimizer, "inner", optimizer)

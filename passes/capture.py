@@ -199,7 +199,9 @@ def _user_inputs(gm, inputs, leaves) -> list:
 
 def _resolve_tied(model, gm, placeholders, params) -> dict:
     """Tied weights: export lists every name of a shared tensor, but the graph reads only one of them.
-    Keep the used name, drop the other placeholders, and return ``{alias: used name}`` for state dicts."""
+    Keep the used placeholder under the name ``model.named_parameters()`` yields (the first: HF's
+    ``model.embed_tokens.weight``, not ``lm_head.weight``, so a user's name filters and param groups see
+    the names they know), drop the other placeholders, and return ``{alias: that name}`` for state dicts."""
     by_id = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_id.setdefault(id(p), []).append(name)
@@ -209,11 +211,17 @@ def _resolve_tied(model, gm, placeholders, params) -> dict:
         names = [n for n in names if n in node_of]
         if len(names) < 2:
             continue
-        main = next((n for n in names if node_of[n].users), names[0])
+        main, used = names[0], next((n for n in names if node_of[n].users), names[0])
+        if used != main and not node_of[main].users:   # the graph reads the tensor under an alias
+            gm.graph.erase_node(node_of[main])
+            params.remove(main)
+            M.NAME.set(node_of[used], main)
+            params[params.index(used)] = main
+            node_of[main] = node_of.pop(used)
         for n in names:
             if n != main:
                 aliases[n] = main
-                if not node_of[n].users:
+                if n in node_of and not node_of[n].users:
                     gm.graph.erase_node(node_of[n])
                     params.remove(n)
     return aliases

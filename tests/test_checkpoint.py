@@ -68,3 +68,40 @@ def test_lr_scheduler_state_is_saved_as_plain_json_and_checked_on_load(tmp_path)
     for _ in range(2):
         opt3.step(), opt4.step(), multi.step(), multi2.step()
     assert multi2.get_last_lr() == multi.get_last_lr()
+
+
+def test_a_tied_weight_saved_under_its_other_name_loads(tmp_path):
+    """Checkpoints written before a tied weight took the name ``model.named_parameters()`` gives it
+    (``transformer.wte.weight``) hold it as ``lm_head.weight``, optimizer state included: they still load."""
+    import shutil
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import autoshard
+    from autoshard.checkpoint import _optim_state, _renamed
+    from autoshard.ir.mesh import MeshSpec
+    from autoshard.runtime.module import ParallelModule
+    from tests.models import batch, build
+
+    model = build("gpt", vocab_size=96, n_layer=1)
+    args, kwargs = batch("gpt", 96)
+
+    def make():
+        pm = ParallelModule(autoshard.compile_rank(model, MeshSpec(tp=1), 0, args, kwargs), model)
+        return pm, torch.optim.AdamW(pm.parameters(), lr=0.1)
+    pm, opt = make()
+    assert pm.aliases == {"lm_head.weight": "transformer.wte.weight"}
+    pm(*args, **kwargs)[1].backward()          # (logits, loss)
+    opt.step()
+    autoshard.save(pm, opt, str(tmp_path / "new"), step=1)
+    old = {"transformer.wte.weight": "lm_head.weight"}
+    dcp.save({"model": _renamed(pm.state_dict(), old), "optim": _renamed(_optim_state(pm, opt), old)},
+             checkpoint_id=str(tmp_path / "old"))
+    shutil.copy(tmp_path / "new" / "meta.json", tmp_path / "old" / "meta.json")
+    pm2, opt2 = make()
+    assert autoshard.load(pm2, opt2, str(tmp_path / "old")) == 1
+    want, got = pm.full_state_dict(), pm2.full_state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert torch.equal(opt2.state[pm2.local_parameters()["transformer.wte.weight"]]["exp_avg"],
+                       opt.state[pm.local_parameters()["transformer.wte.weight"]]["exp_avg"])

@@ -66,7 +66,8 @@ def test_plan_is_megatrons_on_fused_qkv_gpt():
     assert pl["transformer.h.0.mlp.c_fc.weight"] == Shard(0)               # column-parallel
     assert pl["transformer.h.0.mlp.c_proj.weight"] == Shard(1)             # row-parallel
     assert pl["transformer.h.0.attn.c_proj.bias"] == R                     # added once, after the all-reduce
-    assert pl["lm_head.weight"] == Shard(0)                                # vocab-parallel (tied with wte)
+    assert pl["transformer.wte.weight"] == Shard(0)                        # vocab-parallel (lm_head is tied to it)
+    assert "lm_head.weight" not in pl                                      # the alias: one tensor, one name
     assert pl["transformer.h.0.ln_1.weight"] == R
     lowerings = Counter(M.STRATEGY.get(n).lowering for n in gm.graph.nodes)
     assert lowerings["vocab_parallel_embedding"] >= 1
@@ -103,6 +104,26 @@ def test_plan_is_megatrons_on_rmsnorm_models(family):
     assert pl["lm_head.weight"] == Shard(0)
     kinds = Counter((c.phase, c.kind) for c in prog.collectives)
     assert kinds[("fwd", "reduce_scatter")] == 0 and kinds[("fwd", "all_reduce")] == 2 * 2 + 3, kinds
+
+
+def test_tied_weight_keeps_the_name_the_model_gives_it():
+    """HF's Llama with a tied head reads the weight through ``lm_head``, but ``model.named_parameters()``
+    calls it ``model.embed_tokens.weight``: the program uses that name (a user's param groups and name
+    filters are built from it), keeps ``lm_head.weight`` as an alias, and a pin given under the alias
+    applies to the one tensor."""
+    import transformers as T
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    ids = torch.randint(0, 64, (2, 8))
+    kwargs = dict(input_ids=ids, labels=ids, use_cache=False)
+    prog = autoshard.compile_rank(model, {"tp": 2}, 0, (), kwargs, loss_only=True)
+    assert {r.name for r in prog.params} == set(dict(model.named_parameters()))
+    assert prog.captured.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    pl = {r.name: r.spec.tp for r in prog.params}
+    assert pl["model.embed_tokens.weight"] == Shard(0)
+    pinned = autoshard.compile_rank(model, {"tp": 2}, 0, (), kwargs, loss_only=True, pins={"lm_head.weight": R})
+    assert {r.name: r.spec.tp for r in pinned.params}["model.embed_tokens.weight"] == R
 
 
 def test_residual_stream_is_the_token_embedding_or_inputs_embeds():

@@ -86,7 +86,7 @@ def _runtime(rank, world):
                                         microbatches=2)
         if rank == 1:
             with torch.no_grad():
-                pm_axis.local_parameters()["lm_head.weight"].to_local().add_(1e-3)
+                pm_axis.local_parameters()["transformer.wte.weight"].to_local().add_(1e-3)
         try:
             pm_axis.check_replicas()
             out[f"drift {axis}"] = None
@@ -136,8 +136,8 @@ def test_runtime_features():
         assert "world has 2" in out["mesh mismatch"] and "tp=4" in out["mesh mismatch"]
         for case in ("unseeded", "unseeded dp", "unseeded pp"):
             assert "weights on rank 1 differ from rank 0's" in out[case] and "torch.manual_seed" in out[case], out[case]
-        assert "between the 2 data-parallel replicas: ['lm_head.weight'" in out["drift dp"], out["drift dp"]
-        assert "between the 2 pipeline stages holding the tied weight: ['lm_head.weight']" in out["drift pp"], \
+        assert "between the 2 data-parallel replicas: ['transformer.wte.weight'" in out["drift dp"], out["drift dp"]
+        assert "between the 2 pipeline stages holding the tied weight: ['transformer.wte.weight']" in out["drift pp"], \
             out["drift pp"]
         assert "compiled different plans" in out["other plan"], out["other plan"]
         assert "tp ranks were given different batches" in out["tp batch"], out["tp batch"]

@@ -225,3 +225,20 @@ def test_simulator_imports_no_compiler_and_no_torch():
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module)
     assert not any(name.startswith(("autoshard.passes", "passes", "torch")) for name in imported), imported
+
+
+def test_a_short_batch_runs_the_most_microbatches_that_fit_or_says_why_none_does():
+    """An epoch's short last batch: the largest count up to ``microbatches`` that divides its rows and that
+    the schedule takes; none for interleaved (3 rows at pp=2: 1 and 3 are not multiples of 2) is a clear
+    error naming the way out, not split_batch's list of divisors the schedule refuses."""
+    from autoshard.api import _fitting_microbatches
+    from autoshard.ir.options import PipelineOptions
+    import torch
+    rows = lambda n: ((torch.zeros(n, 4, dtype=torch.long),), {})          # noqa: E731
+    opts = PipelineOptions(microbatches=4, schedule="1f1b")
+    assert _fitting_microbatches(opts, 2, *rows(8)) is opts
+    assert _fitting_microbatches(opts, 2, *rows(6)).microbatches == 3
+    inter = PipelineOptions(microbatches=4, schedule="interleaved", virtual_stages=2)
+    assert _fitting_microbatches(inter, 2, *rows(6)).microbatches == 2
+    with pytest.raises(ValueError, match=r"3 rows cannot run schedule='interleaved' at pp=2.*drop_last=True.*4 rows"):
+        _fitting_microbatches(inter, 2, *rows(3))
