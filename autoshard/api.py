@@ -131,7 +131,22 @@ def _capture(model, args, kwargs, options: CompileOptions, training: bool) -> Ca
         captured = capture(traced, tuple(args), kwargs)
     if options.mixed_precision:
         _check_compute_dtypes(captured.gm, COMPUTE_DTYPES[options.mixed_precision])
+        _real_constants(captured, model)
     return captured
+
+
+def _real_constants(captured: Captured, model: nn.Module) -> None:
+    """The bf16 twin is weightless, so a tensor export lifted from a module attribute as a constant (HF
+    Llama's rotary ``original_inv_freq``, the same tensor as its ``inv_freq`` buffer) is on ``meta`` in
+    the trace. It is the model's own tensor: take it from the model by its name."""
+    for name, value in captured.constants.items():
+        if not (isinstance(value, torch.Tensor) and value.is_meta):
+            continue
+        real = model
+        for part in name.split("."):
+            real = getattr(real, part, None)
+        if isinstance(real, torch.Tensor) and not real.is_meta and real.shape == value.shape:
+            captured.constants[name] = real.detach().to(value.dtype)
 
 
 def _recompute_resolved(options: CompileOptions, model: nn.Module) -> CompileOptions:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue as queue_mod
 import socket
 import time
@@ -49,7 +50,9 @@ def _worker(rank, world, port, fn, args, q, init_pg):
             torch.cuda.set_device(rank)
         if init_pg:  # otherwise fn makes the group itself from the torchrun-style environment
             dist.init_process_group(be, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-        q.put((rank, "ok", fn(rank, world, *args)))
+        # pickled here by value: the queue's own pickler shares tensors by file descriptor, which the parent
+        # can only open while this process lives, and a rank exits as soon as it has put its result
+        q.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         q.put((rank, "error", traceback.format_exc()))
     finally:
@@ -122,4 +125,4 @@ def launch(fn, world: int, *args, timeout: float = 900, init_pg: bool = True):
                   for r in range(world) if r not in results or results[r][0] != "ok"}
         msg = "\n".join(f"--- rank {r} failed:\n{e}" for r, e in errors.items())
         raise RankError(f"{getattr(fn, '__name__', fn)} failed on {world} ranks:\n{msg}", errors)
-    return [results[r][1] for r in range(world)]
+    return [pickle.loads(results[r][1]) for r in range(world)]

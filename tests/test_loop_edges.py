@@ -30,7 +30,11 @@ def test_training_loop_edges_match_single_device(tmp_path):
         m = r["mixed"]   # bf16 rounds at ~4e-3; measured: losses <= 1.4e-4, first-step gradients 6.3e-3
         assert max(m["losses"]) < 2e-3 and m["grads"][0] < 2e-2 and max(m["norms"]) < 1e-2, m
         assert all(m["tied"].values()), m                      # the tied copies stay bit-identical in bf16 too
+        m = r["mixed_rope"]
+        assert max(m["losses"]) < 2e-3 and m["grads"][0] < 3e-2 and all(m["tied"].values()), m
         e = r["eval"]
         assert all(abs(g - e["want"]) <= 1e-5 * abs(e["want"]) for g in e["got"]), e     # no dropout in eval
         assert e["untouched"] and e["held"], e
+        assert abs(e["eval_step"] - e["want_eval_step"]) <= 1e-5 * abs(e["want_eval_step"]), e   # pm.eval(): no dropout
+        assert e["eval_step_grad_err"] < 1e-5, e
         assert e["twins"] == 1 and all(abs(g - w) <= 1e-5 * abs(w) for g, w in zip(e["bounded"], e["want_bounded"])), e

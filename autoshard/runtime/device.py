@@ -42,6 +42,17 @@ def owned(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     return t.detach().to(t.device if device is None else device, copy=True)
 
 
+def owned_constant(t: torch.Tensor, name: str, device: torch.device | None) -> torch.Tensor:
+    """``owned`` for a constant a program reads (a tensor export lifted from the forward or from a module
+    attribute). One on ``meta`` (an attribute of a model built on ``meta`` that no init rebuilds) has no
+    values to run with: an error naming it, before any collective."""
+    if t.is_meta:
+        raise ValueError(f"the graph reads '{name}', a tensor the model keeps outside its parameters and "
+                         "buffers, and it is on the meta device: build the model with it on a real device, or "
+                         "register it as a buffer that the model's init (reset_parameters / _init_weights) computes")
+    return owned(t, device)
+
+
 def retarget(gm: fx.GraphModule, device: torch.device | None) -> fx.GraphModule:
     """Point every device literal of ``gm``'s graph at ``device`` (in place; ``gm`` is the bound copy)."""
     if device is None:

@@ -26,7 +26,7 @@ from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch
 from autoshard.runtime.bind import bind
 from autoshard.runtime.comm import AxisComm
 from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
-from autoshard.runtime.device import mesh_device, owned, to_device
+from autoshard.runtime.device import mesh_device, owned, owned_constant, to_device
 from autoshard.runtime.params import ShardedParameters, model_buffers
 from autoshard.runtime.program_cache import ProgramCache
 
@@ -136,7 +136,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             if self._ensure_buffer(name):
                 continue
             if name in program.captured.constants:
-                constants[name] = owned(program.captured.constants[name], self.device)
+                constants[name] = owned_constant(program.captured.constants[name], name, self.device)
             else:
                 raise ValueError(f"buffer or constant '{name}' of the captured graph was not found in the model")
         self._programs.put(k, (program, bind(program.gm, self.comms, self.device), constants))   # (.program keeps the first)
@@ -236,6 +236,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
                 log.info("autoshard: compiled a pm.step program for new inputs %s in %.2f s", key.inputs,
                          time.perf_counter() - start)
         stepper.max_programs = self.max_programs      # its twins (eval mode) follow this module's limit
+        stepper.train(self.training)                  # pm.eval(): steps run the eval-mode program (no dropout)
         self.__dict__["_stepper"] = stepper
         return stepper
 

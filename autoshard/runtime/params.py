@@ -142,12 +142,13 @@ class ShardedParameters(nn.Module):
                 continue
             p = self.shards[self.keys[name]]
             g = leaf.grad
-            if DTensor is not None and isinstance(p, DTensor):
-                g = DTensor(g, p._spec, requires_grad=False)   # the parameter's own spec: same mesh and layout
-            if p.grad is None:
-                p.grad = g
+            dtensor = DTensor is not None and isinstance(p, DTensor)
+            if p.grad is None:   # the parameter's own spec: same mesh and layout
+                p.grad = DTensor(g, p._spec, requires_grad=False) if dtensor else g
+            elif dtensor and isinstance(p.grad, DTensor) and p.grad._spec == p._spec:
+                p.grad._local_tensor.add_(g)   # a step accumulating onto the last: no DTensor dispatch per parameter
             else:
-                p.grad += g
+                p.grad += DTensor(g, p._spec, requires_grad=False) if dtensor else g
 
     # --- full tensors ---------------------------------------------------------------------------------
     def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer
 from autoshard.runtime.executor import Denominator, PipelineError, Run, split_batch
 from autoshard.runtime.module import _load_state_dict_names, _state_dict_names, program_key
 from autoshard.runtime.program_cache import ProgramCache
-from autoshard.runtime.device import mesh_device, owned, to_device
+from autoshard.runtime.device import mesh_device, owned, owned_constant, to_device
 from autoshard.runtime.params import ShardedParameters, model_buffers
 
 log = logging.getLogger("autoshard")
@@ -84,7 +84,12 @@ class PipelineModule(training.TrainingMethods, nn.Module):
                                          persistent=i.name in self._persistent)
                     self._buffers_by_name[i.name] = attr
                     self._buffer_names.append(i.name)
-        self._constants = {k: owned(v, self.device) for k, v in program.captured.constants.items()}
+        # the constants export lifted (torch.tensor(...) in the forward) that this rank's stages read, and not
+        # as one of the model's buffers: numbered per trace, so each program owns its own
+        constants = program.captured.constants
+        self._constants = {i.name: owned_constant(constants[i.name], i.name, self.device) for c in program.own
+                           for i in c.inputs if i.kind == "buffer" and i.name in constants
+                           and i.name not in self._buffers_by_name}
         self.graphs = nn.ModuleDict({str(c.index): bind(c.gm, self.comms, self.device) for c in program.own})
         self.last_timeline: Timeline | None = None
         out = dump_dir(program.options.dump)
@@ -212,8 +217,9 @@ class PipelineModule(training.TrainingMethods, nn.Module):
                                "torch.no_grad(); for a validation loss call pm.eval_batch(*batch) (eval mode, "
                                "no gradients)")
         args, kwargs = to_device((args, kwargs), self.device)
-        twin = self._twin(args, kwargs, training=True)
-        if twin is not self:        # another batch shape (an epoch's short last batch): its own program
+        # after pm.eval(), as after model.eval() in torch: forward and backward without dropout
+        twin = self._twin(args, kwargs, training=self.training)
+        if twin is not self:        # eval mode, or another batch shape (an epoch's short last batch): its own program
             return twin.step(*args, **kwargs)
         users = self._microbatches(args, kwargs, "pm.step")
         grads_held = any(p.grad is not None for p in self.params.parameters())   # before the tied stash
@@ -266,7 +272,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
     def _twin(self, args, kwargs, training: bool) -> "PipelineModule":
         """This module, or a twin running another program (eval mode, or another batch shape: an epoch's
         short last batch) on the same parameter shards, compiled on first use on this program's cuts."""
-        if training and (self._compiled_for(args, kwargs) or self.__dict__.get("_twin_of") is not None):
+        if self.__dict__.get("_twin_of") is not None or (training and self._compiled_for(args, kwargs)):
             return self
         key = program_key(training, *pytree.tree_flatten((args, kwargs)))
         if "_twins" not in self.__dict__:
