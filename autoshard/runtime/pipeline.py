@@ -222,7 +222,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         if twin is not self:        # eval mode, or another batch shape (an epoch's short last batch): its own program
             return twin.step(*args, **kwargs)
         users = self._microbatches(args, kwargs, "pm.step")
-        grads_held = any(p.grad is not None for p in self.params.parameters())   # before the tied stash
+        grads_held = any(p.grad is not None for p in self.params._stored.values())   # before the tied stash
         saved_tied = self._stash_tied_grads()
         try:
             run = Run(self, users, grads_held)
@@ -340,7 +340,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
     def _tied(self):
         """The tied weights this rank holds a copy of, with their pp group (frozen ones have no gradient)."""
         for name, group in self.tie_groups.items():
-            p = self.params.shards[self.params.keys[name]]
+            p = self.params.param(name)
             if p.requires_grad:
                 yield name, p, group
 

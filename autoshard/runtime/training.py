@@ -141,7 +141,7 @@ class TrainingMethods(CommCounting):
 
     def local_parameters(self) -> dict:
         """``{original name: parameter}`` (a DTensor on a real mesh, a local tensor otherwise)."""
-        return {name: self.params.shards[k] for name, k in self.params.keys.items()}
+        return {name: self.params.param(name) for name in self.params.keys}
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """This rank's parameters under the model's own names (``transformer.h.0.attn.c_attn.weight``, not
