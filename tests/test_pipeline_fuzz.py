@@ -6,8 +6,8 @@ configurations.
 
 The configuration is drawn from its own seeded stream: the schedule (GPipe, 1F1B, interleaved with two
 chunks a rank, so more chunks than layers happen), 2 or 4 microbatches, NCCL's receive order emulated or
-not, cuts by cost or by hand, and recompute; on 4 ranks, pp=2 x tp=2 or dp=2 x pp=2 (with ZeRO-1 half
-the time). Each seed's configurations share one process group per world size. More seeds:
+not, cuts by cost or by hand, and recompute; on 4 ranks, pp=2 x tp=2, dp=2 x pp=2 or dp=2 x tp=2 (with
+ZeRO-1 half the time when dp=2). Each seed's configurations share one process group per world size. More seeds:
 ``AUTOSHARD_FUZZ_SEEDS=40 pytest -m slow tests/test_pipeline_fuzz.py``.
 """
 from __future__ import annotations
@@ -54,11 +54,12 @@ def configs(seed: int) -> tuple[list, list]:
         two.append(("family", dict(pp=2), _options(rng, model["layers"]), model))
     model = _model(rng)
     options = _options(rng, model["layers"])
-    if rng.random() < 0.5:
-        four.append(("family", dict(pp=2, tp=2), options, model))
-    else:
+    mesh = rng.choice([dict(pp=2, tp=2), dict(dp=2, pp=2), dict(dp=2, tp=2)])
+    if "dp" in mesh:
         options["zero"] = int(rng.random() < 0.5)
-        four.append(("family", dict(dp=2, pp=2), options, model))
+    if "pp" not in mesh:      # pm.step's gradient accumulation over microbatches: no schedule, no cuts
+        options = {k: v for k, v in options.items() if k in ("microbatches", "recompute", "zero")}
+    four.append(("family", mesh, options, model))
     return two, four
 
 
