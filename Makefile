@@ -2,7 +2,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo demo-tp demo-pp test bench bench-pp bench-fusion clean
+.PHONY: venv demo demo-tp demo-pp test bench bench-pp bench-fusion gpu-check clean
 
 venv: $(VENV)/.installed
 
@@ -43,6 +43,10 @@ bench-pp: venv
 clean:
 	rm -rf build/ *.egg-info/ .pytest_cache/ dumps/ autoshard_dump/ autoshard_checkpoint/ benchmarks/out/
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+
+# on a GPU machine: parity with the single-device model on CUDA and NCCL, 1 to 8 GPUs (benchmarks/gpu_check.py)
+gpu-check: venv
+	$(BIN)/python -m benchmarks.gpu_check
 
 # fusion: bytes per pattern everywhere; kernel timings against eager and torch.compile on a GPU
 bench-fusion: venv

@@ -138,7 +138,7 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
         scale = max(float(p.grad.abs().max()) for p in ref.parameters())
         err = 0.0
         for name, p in pm.local_parameters().items():
-            full = pm.gather(name, p.grad)
+            full = pm.gather(name, p.grad).cpu()      # the reference runs on the CPU, pm where its mesh is
             err = max(err, float((full - rgrad[name].grad).abs().max()) / scale)
         grads.append(err)
         if clip is not None:
@@ -147,7 +147,7 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
             norms.append(abs(norm - rnorm) / rnorm)
         opt.step(); ropt.step(); opt.zero_grad(); ropt.zero_grad()
     pm = pm if not hasattr(pm, "_stepper") else pm._stepper   # pp = 1: ParallelModule.step's executor
-    full = pm.full_state_dict()
+    full = {k: v.cpu() for k, v in pm.full_state_dict().items()}
     scale = max(float(p.detach().abs().max()) for p in ref.parameters())
     final = max(float((full[n] - p).abs().max()) / scale for n, p in ref.state_dict().items() if p.is_floating_point())
     tied = {}

@@ -87,3 +87,12 @@ def test_moe_pipeline_bench_smoke(tmp_path):
     assert v["residual only"]["layers"][0] == [0] and v["residual only"]["carried"] == [0]
     assert v["carried"]["carried"][0] >= 1 and v["carried"]["layers"][0][-1] >= 1
     assert (tmp_path / "pp_moe_results.md").exists()
+
+
+def test_gpu_check_runs_on_cpu_ranks(tmp_path):
+    """``benchmarks.gpu_check`` (the GPU machines' one command) runs here with ``--backend gloo``: its
+    one-rank configurations pass and it writes its table (its NCCL run needs GPUs)."""
+    from benchmarks import gpu_check
+    assert gpu_check.main(["--backend", "gloo", "--world", "1", "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "gpu_check.md").read_text()
+    assert table.count("| pass |") == len(gpu_check.CONFIGS[1]) and "FAIL" not in table
