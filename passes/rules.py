@@ -144,6 +144,33 @@ def expand(node, ctx):
     return _permuting(node, ctx, perm)
 
 
+def complex_view(node, ctx):
+    """``view_as_complex`` ([..., n, 2] -> [..., n]) and ``view_as_real`` (back): every dim but the
+    (real, imaginary) pair keeps its index, so its shard; a sum of complex parts is the sum of their real
+    pairs, so Partial passes too. torchtitan's rotary embedding turns q and k complex, rotates them by a
+    complex table and turns them back: with this rule the heads stay sharded through it."""
+    keep = min(len(shape_of(node.args[0])), len(shape_of(node)))
+    return _permuting(node, ctx, [d if d < keep else -1 for d in range(len(shape_of(node)))])
+
+
+def repeat_interleave(node, ctx):
+    """``repeat_interleave(x, r, dim)`` (grouped-query k/v repeated to the query heads): an even shard of
+    ``dim`` holds whole groups, so rank i's n/t inputs become its n r / t outputs (kv head j stays beside
+    query heads j r .. j r + r - 1); other dims keep their shards. A padded shard of ``dim`` would not line
+    up, and a repeats tensor or no ``dim`` (a flattening repeat) stays replicated."""
+    src, repeats = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if dim is None or not isinstance(repeats, int):
+        return _replicated(node)
+    ishape = shape_of(src)
+    dim %= len(ishape)
+    strategies = _replicated(node) + [Strategy(P, _ins(node, {src: P}))]
+    for s in shard_options(src, ishape, ctx, allow_pad=True):
+        if s.dim != dim or (s.blocks == 1 and ishape[dim] % ctx.t == 0):
+            strategies.append(Strategy(Shard(s.dim, s.blocks), _ins(node, {src: s}), sharded=True))
+    return strategies
+
+
 def _split_sizes(node):
     src = node.args[0]
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
@@ -410,6 +437,7 @@ RULES = {
     aten.view: view, aten.reshape: view, aten._unsafe_view: view,
     aten.transpose: transpose, aten.permute: permute, aten.t: t_, aten.unsqueeze: unsqueeze, aten.squeeze: squeeze,
     aten.expand: expand, aten.split: split, aten.split_with_sizes: split,
+    aten.view_as_complex: complex_view, aten.view_as_real: complex_view, aten.repeat_interleave: repeat_interleave,
     aten.slice: slice_like, aten.select: slice_like, aten.narrow: slice_like, aten.cat: cat, aten.index: index,
     aten.slice_scatter: scatter_like, aten.select_scatter: scatter_like,
     aten._softmax: softmax, aten.softmax: softmax, aten._log_softmax: softmax, aten.log_softmax: softmax,

@@ -410,3 +410,55 @@ class Overwritten(nn.Module):
 def test_a_copy_over_an_op_result_keeps_the_overwritten_weights_zero_gradient(t):
     torch.manual_seed(0)
     assert_same(Overwritten(), (torch.randn(2, 8),), t)
+
+
+class ComplexRopeLlama(nn.Module):
+    """torchtitan's Llama 3 attention in miniature: q, k rotated as complex numbers (``view_as_complex``
+    times a complex ``freqs_cis`` buffer, ``view_as_real``, ``flatten``), grouped-query heads, SwiGLU."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=2, vocab=48, seq=8):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.emb = nn.Embedding(vocab, dim)
+        self.wq = nn.Linear(dim, heads * self.hd, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.wo = nn.Linear(heads * self.hd, dim, bias=False)
+        self.w1, self.w3 = nn.Linear(dim, 64, bias=False), nn.Linear(dim, 64, bias=False)
+        self.w2 = nn.Linear(64, dim, bias=False)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        freqs = 1.0 / (10000 ** (torch.arange(0, self.hd, 2).float() / self.hd))
+        angles = torch.outer(torch.arange(seq).float(), freqs)
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles))
+
+    def rotate(self, x):
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * self.freqs_cis[None, :, None, :]).flatten(3).type_as(x)
+
+    def forward(self, tokens, targets):
+        b, s = tokens.shape
+        h = self.emb(tokens)
+        q = self.rotate(self.wq(h).view(b, s, self.heads, self.hd))
+        k = self.rotate(self.wk(h).view(b, s, self.kv_heads, self.hd))
+        v = self.wv(h).view(b, s, self.kv_heads, self.hd)
+        rep = self.heads // self.kv_heads
+        k, v = (t.repeat_interleave(rep, dim=2) for t in (k, v))
+        a = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True)
+        h = h + self.wo(a.transpose(1, 2).reshape(b, s, -1))
+        h = h + self.w2(F.silu(self.w1(h)) * self.w3(h))
+        return F.cross_entropy(self.out(h).flatten(0, 1), targets.flatten())
+
+
+def test_complex_rotary_keeps_the_heads_sharded():
+    """view_as_complex / view_as_real keep every dim but the (real, imaginary) pair: the heads stay
+    sharded through torchtitan's complex rotation (no all-gather of q and k), and the step is exact."""
+    torch.manual_seed(0)
+    model = ComplexRopeLlama()
+    args = (torch.randint(0, 48, (2, 8)), torch.randint(0, 48, (2, 8)))
+    assert_same(model, args, 2)
+    assert_same(model, args, 4)         # 2 kv heads at tp=4: repeated whole, then cut with the query heads
+    prog = autoshard.compile_rank(model, {"tp": 2}, 0, args)
+    assert not prog.report.unruled, prog.report.unruled          # nothing replicated for want of a rule
+    pl = {r.name: r.spec.tp for r in prog.params}
+    assert pl["wq.weight"] == pl["wk.weight"] == pl["w1.weight"] == Shard(0) and pl["wo.weight"] == Shard(1), pl
+    assert not [c for c in prog.collectives if c.kind == "all_gather"], prog.collectives
