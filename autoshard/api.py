@@ -97,8 +97,9 @@ def _with_loss(model, loss_fn, kwargs):
         yield
         return
     if "target" not in kwargs:
-        raise ValueError("loss_fn= is given but the example call has no target=: pass the targets as a keyword, "
-                         "parallelize(model, mesh, (x,), {'target': y}, loss_fn=...), and pm.step(x, target=y)")
+        raise ValueError("loss_fn= is given, so this call needs target=: pass the targets as a keyword, "
+                         "parallelize(model, mesh, (x,), {'target': y}, loss_fn=...) and pm.step(x, target=y) "
+                         "(pm(x) without target= returns the model's output)")
     if "target" in inspect.signature(model.forward).parameters:
         raise ValueError(f"loss_fn= takes target= for the loss, but {type(model).__name__}.forward has a 'target' "
                          "parameter of its own: compute the loss in the model and drop loss_fn, or rename it")
@@ -395,7 +396,9 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     prog = compile_rank(model, spec, rank, example_args, example_kwargs, options)
 
     def compiler(args, kwargs, training, pinned):
-        later = dataclasses.replace(options, pins={**pinned, **options.pins}, dump=None)
+        # a forward call without target= (pm.eval(); pm(x)) runs the model alone and returns its output
+        loss = options.loss_fn if "target" in (kwargs or {}) else None
+        later = dataclasses.replace(options, pins={**pinned, **options.pins}, dump=None, loss_fn=loss)
         return compile_rank(model, spec, rank, args, kwargs, later, training=training)
 
     def step_compiler(args, kwargs, pinned, training=True):

@@ -13,6 +13,7 @@ heads are that projection's width over ``hd``.
   gradient arrives whole on every rank (the slice's backward all-gathers it), which is the gradient
   invariant of a replicated weight, not a special case. Without this the planner would shard the
   whole attention by hidden columns (row-parallel q, k, v and o: 7 reduce-scatters per layer);
+- k and v from one fused weight (``kv = Linear(d, 2 * nkv * hd)``): its width counts each kv head twice;
 - q, k and v from one fused weight: the planner decides (blocked shards); reported as such.
 """
 from __future__ import annotations
@@ -95,13 +96,16 @@ def attention_layouts(gm, t: int) -> list:
             continue
         heads, hd = qs[1], qs[-1]
         q_w = {w.name for w in _weights_behind(q)}
-        kv = [w for w in _weights_behind(k) + _weights_behind(v) if w.name not in q_w]
+        k_w, v_w = ([w for w in _weights_behind(x) if w.name not in q_w] for x in (k, v))
+        kv = k_w + v_w
+        # one weight behind both k and v is a fused k|v projection: its width holds every kv head twice
+        fused_kv = 2 if {w.name for w in k_w} & {w.name for w in v_w} else 1
         lay = AttentionLayout(n.name, module_path(n), heads, None, sorted({M.NAME.get(w) for w in kv}))
         widths = {shape_of(w)[0] if shape_of(w)[0] % hd == 0 else shape_of(w)[1] for w in kv}
         if not kv or len(widths) != 1:
             lay.decision = "q, k and v come from one fused projection: the planner shards it per block where exact"
         else:
-            lay.kv_heads = widths.pop() // hd
+            lay.kv_heads = widths.pop() // hd // fused_kv
             if lay.kv_heads % t == 0:
                 lay.decision = f"kv heads sharded with the query heads ({lay.kv_heads // t} per rank)"
             else:

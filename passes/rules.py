@@ -137,11 +137,21 @@ def squeeze(node, ctx):
 
 
 def expand(node, ctx):
+    """Dims that keep their size keep their shards. A broadcast dim (size 1, or new) can also be cut from a
+    replicated input: each rank expands it to its own part, and the input's gradient (each rank's sum over
+    its part) is all-reduced by Megatron's f. Multi-query k and v expanded to the query heads so stay as
+    small as one head until each rank's heads, instead of being expanded whole and sliced (whose backward
+    all-gathers the expanded gradient)."""
     src = node.args[0]
     ishape, oshape = shape_of(src), shape_of(node)
     off = len(oshape) - len(ishape)
     perm = [i - off if i >= off and ishape[i - off] == oshape[i] else -1 for i in range(len(oshape))]
-    return _permuting(node, ctx, perm)
+    strategies = _permuting(node, ctx, perm)
+    for d in range(len(oshape)):
+        broadcast = d < off or (ishape[d - off] == 1 and oshape[d] > 1)
+        if broadcast and shardable(oshape[d], ctx.t):
+            strategies.append(Strategy(Shard(d), _ins(node, {src: R}), sharded=True))
+    return strategies
 
 
 def complex_view(node, ctx):

@@ -1,7 +1,7 @@
 """Validation passes: checks that change nothing, placed where a wrong input or a wrong rewrite shows.
 
 - ``check_heads_pass`` (before planning): attention heads that tp does not divide are a clear error;
-  dropout in replicated regions is a warning (ranks must draw the same masks);
+  dropout is one warning a program (ranks must draw the same masks: seed them identically);
 - ``check_local_shapes_pass`` (last): runs the local program on meta tensors and checks every value's
   shape against the plan, catching a wrong literal size or a wrong collective before any process starts.
 """
@@ -34,13 +34,18 @@ def check_heads_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             ok = [d for d in range(1, lay.q_heads + 1) if lay.q_heads % d == 0]
             raise ValueError(f"attention in '{lay.module}' has {lay.q_heads} heads, which tp={t} does not divide: "
                              f"tensor parallelism splits attention by heads; use tp in {ok}")
+    dropouts = []
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is aten.dropout.default:
             p, train = (list(n.args[1:3]) + [0.5, True])[:2]
-            if p > 0 and train:
-                warnings.warn(f"'{module_path(n)}' has dropout with p={p}: replicated activations stay identical "
-                              "across tp ranks only if every rank seeds torch identically (torch.manual_seed(seed) "
-                              "on all ranks); a model-parallel RNG tracker is not implemented yet", stacklevel=2)
+            if p > 0 and train and module_path(n) not in dropouts:
+                dropouts.append(module_path(n))
+    if dropouts:   # one warning a program, naming the modules
+        shown = ", ".join(f"'{m}'" for m in dropouts[:4]) + (f" and {len(dropouts) - 4} more" if len(dropouts) > 4 else "")
+        warnings.warn(f"dropout in {shown}: the tp ranks draw their masks from their own torch RNG, so seed every "
+                      "rank identically (torch.manual_seed(seed) on all ranks) for replicated activations to stay "
+                      "identical; a sharded activation's ranks then draw the same pattern on their parts (no "
+                      "model-parallel RNG tracker yet)", stacklevel=2)
     return gm
 
 

@@ -65,11 +65,31 @@ def test_loss_fn_on_a_pipeline_matches_the_single_device_loss(dims):
 
 def test_loss_fn_without_a_target_says_how_to_pass_one():
     ids, _ = _batch()
-    with pytest.raises(ValueError, match=r"no target=.*pm.step\(x, target=y\)"):
+    with pytest.raises(ValueError, match=r"needs target=.*pm.step\(x, target=y\)"):
         autoshard.compile_pipeline(_llama(), {"pp": 2}, 0, (), dict(input_ids=ids), CompileOptions(
             loss_fn=next_token_loss, pipeline=PipelineOptions(microbatches=2)))
     with pytest.raises(ValueError, match="not callable"):
         CompileOptions(loss_fn="cross_entropy")
+
+
+def _forward_without_target(rank, world):
+    model = _llama()
+    ids, target = _batch()
+    pm = autoshard.parallelize(copy.deepcopy(model), autoshard.init_mesh(tp=world), (),
+                               dict(input_ids=ids, use_cache=False, target=target), loss_fn=next_token_loss)
+    loss = float(pm(input_ids=ids, use_cache=False, target=target))
+    pm.eval()
+    logits = pm(input_ids=ids, use_cache=False).logits       # no target=: the model's own output
+    with torch.no_grad():
+        want = model.eval()(input_ids=ids, use_cache=False).logits
+    return dict(loss=loss, want=float(next_token_loss(model(input_ids=ids, use_cache=False), target)),
+                logits=float((logits - want).abs().max()))
+
+
+def test_a_call_without_target_returns_the_models_output():
+    """With loss_fn=, pm(x, target=y) is the loss; pm(x) (an eval loop reading logits) runs the model alone."""
+    (r,) = run_distributed(_forward_without_target, 1, timeout=300)
+    assert abs(r["loss"] - r["want"]) <= 1e-5 * r["want"] and r["logits"] < 1e-5, r
 
 
 class TakesTarget(torch.nn.Module):

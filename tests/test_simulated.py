@@ -462,3 +462,38 @@ def test_complex_rotary_keeps_the_heads_sharded():
     pl = {r.name: r.spec.tp for r in prog.params}
     assert pl["wq.weight"] == pl["wk.weight"] == pl["w1.weight"] == Shard(0) and pl["wo.weight"] == Shard(1), pl
     assert not [c for c in prog.collectives if c.kind == "all_gather"], prog.collectives
+
+
+class FusedKVMultiQuery(nn.Module):
+    """Multi-query attention whose one k|v projection makes both (``kv = Linear(d, 2 * hd)``)."""
+
+    def __init__(self, dim=32, heads=4, vocab=48):
+        super().__init__()
+        self.heads, self.hd = heads, dim // heads
+        self.emb, self.q = nn.Embedding(vocab, dim), nn.Linear(dim, dim, bias=False)
+        self.kv, self.o = nn.Linear(dim, 2 * self.hd, bias=False), nn.Linear(dim, dim, bias=False)
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens, targets):
+        b, s = tokens.shape
+        h = self.emb(tokens)
+        q = self.q(h).view(b, s, self.heads, self.hd).transpose(1, 2)
+        k, v = (t.view(b, 1, s, self.hd).expand(b, self.heads, s, self.hd) for t in self.kv(h).split(self.hd, -1))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.o(a.transpose(1, 2).reshape(b, s, -1))
+        return F.cross_entropy(self.out(h).flatten(0, 1), targets.flatten())
+
+
+def test_a_fused_kv_projection_counts_each_kv_head_once():
+    """One weight behind both k and v holds every kv head twice: multi-query with a fused k|v has 1 kv
+    head, so k|v is replicated (Megatron's kv replication), not cut into k on rank 0 and v on rank 1
+    and gathered back (exact either way, but 3 all-gathers a layer)."""
+    torch.manual_seed(0)
+    model = FusedKVMultiQuery()
+    args = (torch.randint(0, 48, (2, 8)), torch.randint(0, 48, (2, 8)))
+    assert_same(model, args, 2)
+    prog = autoshard.compile_rank(model, {"tp": 2}, 0, args)
+    assert "1 kv heads" in prog.report.attention[0], prog.report.attention
+    pl = {r.name: r.spec.tp for r in prog.params}
+    assert pl["q.weight"] == Shard(0) and pl["o.weight"] == Shard(1) and pl["kv.weight"] != Shard(0), pl
+    assert not [c for c in prog.collectives if c.kind == "all_gather"], prog.collectives
