@@ -5,6 +5,10 @@ and ``flatten``s in its rotary, Falcon transposes its weights with ``numpy_T`` a
 with ``broadcast_to``. Each has an exact equivalent among the ops the rules cover. ``REWRITES`` is a
 table: one row per op, a function that emits the replacement. An op is supported by adding a row.
 
+Slices that tile a tensor along one dim (Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q+kv]``, ``qkv[..., q+kv:]``)
+become one ``split_with_sizes``: the spelling in which the planner finds a fused projection
+(``rules.block_hints``), as it does for GPT-2's ``c_attn.split``.
+
 In-place ops (Falcon's ``mlp_out += attn_out``, eager attention's ``scores /= ...``) become their
 out-of-place form when the value they write is an op result that no view aliases; later reads of it
 read the new node. Without this, a sharded collective output could be written in place.
@@ -208,8 +212,54 @@ def _loss_in_fp32(g, n):
     n.meta["val"] = n.target(*[_meta(a) for a in n.args], **n.kwargs)
 
 
+def _slice_range(n) -> tuple | None:
+    """``(dim, start, end)`` of a step-1 ``aten.slice``, clamped as slicing clamps; None otherwise."""
+    x = n.args[0]
+    shape = shape_of(x) if isinstance(x, fx.Node) else None
+    args = list(n.args[1:]) + [None] * (4 - len(n.args[1:]))
+    dim, start, end, step = (args[0] or 0), args[1], args[2], (args[3] or 1)
+    if not shape or step != 1 or not all(isinstance(v, (int, type(None))) for v in (start, end)):
+        return None
+    size = shape[dim % len(shape)]
+    if not isinstance(size, int):
+        return None
+
+    def clamp(v, default):
+        v = default if v is None else (v + size if v < 0 else v)
+        return min(max(v, 0), size)
+    return dim % len(shape), clamp(start, 0), clamp(end, size)
+
+
+def _tiling_slices_as_split(g) -> None:
+    """Replace slices of one tensor that tile a dim exactly (no gap, no overlap, none empty, two or more
+    pieces) by ``getitem``s of one ``split_with_sizes``. Two slices of the same range read the same piece."""
+    groups = {}
+    for n in g.nodes:
+        if n.op == "call_function" and n.target is aten.slice.Tensor and isinstance(n.args[0], fx.Node):
+            r = _slice_range(n)
+            if r is not None:
+                groups.setdefault((n.args[0], r[0]), {}).setdefault(r[1:], []).append(n)
+    for (_, dim), by_range in groups.items():
+        ranges = sorted(by_range)
+        x = by_range[ranges[0]][0].args[0]   # now: an earlier tiling may have replaced the slice it was
+        ends = [0] + [e for _, e in ranges]
+        if len(ranges) < 2 or any(s != ends[i] or e <= s for i, (s, e) in enumerate(ranges)) \
+                or ends[-1] != shape_of(x)[dim]:
+            continue
+        first = min((n for r in ranges for n in by_range[r]), key=lambda n: list(g.nodes).index(n))
+        with g.inserting_before(first):
+            split = _emit(g, aten.split_with_sizes.default, (x, [e - s for s, e in ranges], dim), first)
+            pieces = [g.call_function(operator.getitem, (split, i)) for i in range(len(ranges))]
+        for piece, r in zip(pieces, ranges):
+            piece.meta = dict(by_range[r][0].meta)
+            for n in by_range[r]:
+                n.replace_all_uses_with(piece)
+                g.erase_node(n)
+
+
 def canonicalize_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
     g = gm.graph
+    _tiling_slices_as_split(g)
     mixed = ctx is not None and ctx.options.mixed_precision
     for n in list(g.nodes):
         if n.op != "call_function":

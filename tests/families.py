@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FAMILIES = ["gpt2", "opt", "gpt_neox", "gptj", "llama", "mistral", "qwen2", "gemma", "phi", "falcon",
+FAMILIES = ["gpt2", "opt", "gpt_neox", "gptj", "llama", "mistral", "qwen2", "gemma", "phi", "phi3", "falcon",
             "falcon_new", "bloom", "gpt_bigcode"]
 # transformers 5.23 builds GPT-J and BLOOM with eager attention only (sdpa is a ValueError at build)
 EAGER_ONLY = {"gptj", "bloom"}
-GQA = {"llama", "mistral", "qwen2", "gemma", "phi", "falcon_new"}     # any divisor of the heads
+GQA = {"llama", "mistral", "qwen2", "gemma", "phi", "phi3", "falcon_new"}     # any divisor of the heads
 MQA_SWITCH = {"falcon", "gpt_bigcode"}                                 # multi_query: 1 kv head, or all
 POSITIONS = 64
 
@@ -118,13 +118,15 @@ def hf_config(cfg: FamilyConfig):
                                hidden_dropout=0.0, use_parallel_residual=_opt(cfg.norm, "parallel") == "parallel",
                                attention_bias=_opt(cfg.bias, True), hidden_act=_opt(cfg.mlp, "gelu"),
                                rope_parameters=rope, **tie, **extra)
-    if f in ("llama", "mistral", "qwen2", "gemma", "phi"):
+    if f in ("llama", "mistral", "qwen2", "gemma", "phi", "phi3"):
         cls = {"llama": T.LlamaConfig, "mistral": T.MistralConfig, "qwen2": T.Qwen2Config,
-               "gemma": T.GemmaConfig, "phi": T.PhiConfig}[f]
+               "gemma": T.GemmaConfig, "phi": T.PhiConfig, "phi3": T.Phi3Config}[f]
         kw = dict(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=L, num_attention_heads=NH,
                   num_key_value_heads=_opt(kv, NH), max_position_embeddings=POSITIONS, attention_dropout=0.0)
-        if f != "phi":
+        if f not in ("phi", "phi3"):
             kw["head_dim"] = cfg.head_dim
+        if f == "phi3":   # fused q|k|v and gate|up, sliced; its default pad id (32000) is outside a tiny vocab
+            kw.update(pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0)
         if cfg.mlp:
             kw["hidden_act"] = cfg.mlp
         if cfg.bias is not None:
@@ -287,6 +289,7 @@ ACTIVATIONS = {
     "gpt2": ["gelu_new", "relu", "gelu", "silu"], "opt": ["relu", "gelu"], "gpt_neox": ["gelu", "gelu_new", "relu"],
     "gptj": ["gelu_new", "relu"], "llama": ["silu", "gelu", "relu"], "mistral": ["silu", "gelu"],
     "qwen2": ["silu", "gelu"], "gemma": ["gelu_pytorch_tanh"], "phi": ["gelu_new", "gelu", "relu"],
+    "phi3": ["silu", "gelu"],
     "falcon": ["gelu", "relu"], "falcon_new": ["gelu", "relu"], "bloom": [None],  # BLOOM: gelu, no switch
     "gpt_bigcode": ["gelu_pytorch_tanh", "gelu", "relu"],
 }

@@ -1,11 +1,12 @@
 """Tier 2 for HF families: tp=2 training over real gloo collectives equals the single-device model.
 
-GPT-NeoX, Llama, BLOOM, Falcon (multi-query) and Qwen2 (GQA, q/k/v biases) from ``tests/families.py``
+GPT-NeoX, Llama, BLOOM, Falcon (multi-query), Qwen2 (GQA, q/k/v biases) and Phi-3 (fused q|k|v and
+gate|up, sliced) from ``tests/families.py``
 (2 layers, hidden 64, 4 heads, vocab 97 so tp pads it), called with ``input_ids=, labels=,
 attention_mask=, use_cache=False``. Per family: the loss, the logits, every gradient gathered to its
 full shape (relative 1e-5, test_parity.py's floor for analytically zero gradients), then the parameters
 after 3 AdamW steps (eps=1e-4, as test_parity.py explains) through ``pm.full_state_dict()``. One process
-group runs all five families, to pay the start-up once.
+group runs all six families, to pay the start-up once.
 """
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ from tests.distributed import run_distributed
 from tests.families import EAGER_ONLY, GQA, FamilyConfig, batch, build, rel
 from tests.parity_checks import adamw_errors, gradient_errors
 
-FAMILIES = ["gpt_neox", "llama", "bloom", "falcon", "qwen2"]
+FAMILIES = ["gpt_neox", "llama", "bloom", "falcon", "qwen2", "phi3"]
 TP = 2
 STEPS = 3
 
 
 def config(family: str) -> FamilyConfig:
-    return FamilyConfig(family, layers=2, hidden=64, heads=4, kv_heads=2 if family in GQA else None, vocab=97,
+    """Phi-3 as Phi-3-mini is: as many kv heads as heads, so its sliced q|k|v is cut per block."""
+    kv_heads = 2 if family in GQA and family != "phi3" else None
+    return FamilyConfig(family, layers=2, hidden=64, heads=4, kv_heads=kv_heads, vocab=97,
                         attn_implementation="eager" if family in EAGER_ONLY else "sdpa")
 
 
