@@ -8,6 +8,8 @@ import importlib.util
 import math
 import os
 
+import pytest
+
 from benchmarks import tp as bench
 
 TINY = ["--tp", "2", "--vocab", "64", "--layers", "1", "--hidden", "32", "--heads", "4", "--seq", "8",
@@ -77,6 +79,7 @@ def test_recompute_bench_smoke(tmp_path):
     assert (tmp_path / "recompute_results.md").exists()
 
 
+@pytest.mark.slow   # an extra benchmark; test_pipeline_carried.py checks the carried router logits
 def test_moe_pipeline_bench_smoke(tmp_path):
     """``python -m benchmarks.pp_moe`` at a tiny size: the same loss either way, and the residual-only rule
     (no values carried) leaves stage 0 with layer 0 alone while carried router logits allow a later cut."""
