@@ -219,6 +219,11 @@ def write_plan(program, dump_dir):
     for p in program.params:
         L.append(f"| {p.name} | {p.spec!r} | {p.local_shape} | {p.global_shape} | {p.nbytes} |")
     L += ["", f"Parameter bytes on this rank: {sum(p.nbytes for p in program.params)}", ""]
+    rank_order = [p.name for p in program.params if isinstance(getattr(p.spec.tp, "blocks", 1), tuple)]
+    if rank_order:
+        L += ["Held in rank order (blocks of unequal size, which DTensor cannot describe): take these whole from "
+              "`pm.state_dict()` or `pm.full_state_dict()`, not `full_tensor()`: "
+              + ", ".join(f"`{n}`" for n in rank_order), ""]
     if report is not None and report.attention:
         L += ["## Attention", ""] + [f"- {a}" for a in report.attention] + [""]
     L += loss_section(program)

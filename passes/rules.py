@@ -16,10 +16,10 @@ import operator
 
 import torch
 
-from autoshard.ir.placement import P, R, Shard, shardable
+from autoshard.ir.placement import P, R, Shard, block_sizes, shardable
 from autoshard.passes.rules_vocab import cross_entropy, embedding, logsumexp
 from autoshard.passes.shapes import map_shard_through_view, shape_of, squeezed_dims, val
-from autoshard.passes.strategy import RuleContext, Strategy, _ins, _replicated, shard_options
+from autoshard.passes.strategy import RuleContext, Strategy, _ins, _replicated, blocks_order, shard_options
 
 __all__ = ["RULES", "POINTWISE", "VIEW_OPS", "RuleContext", "Strategy", "strategies_for", "block_hints",
            "shard_options"]
@@ -198,7 +198,7 @@ def split(node, ctx):
     for s in shard_options(src, shape_of(src), ctx):
         if s.dim != dim:
             strategies.append(Strategy(s, _ins(node, {src: s}), sharded=True))
-        elif s.blocks == len(sizes) and len(set(sizes)) == 1:  # fused q|k|v: each piece sharded by heads
+        elif block_sizes(shape_of(src)[dim], s.blocks) == tuple(sizes):  # fused q|k|v: each piece by heads
             strategies.append(Strategy(Shard(dim), _ins(node, {src: s}), sharded=True))
     return strategies
 
@@ -308,7 +308,7 @@ def linear(node, ctx):
     last = len(ys) - 1
     strategies = _replicated(node)
     blocks = {1} | {k for d, k in ctx.hints.get(node, ()) if d == last}
-    for k in sorted(blocks):
+    for k in sorted(blocks, key=blocks_order):
         if shardable(ws[0], ctx.t, k, allow_pad=(k == 1)):
             m = {w: Shard(0, k)} | ({b: Shard(0, k)} if b is not None else {})
             strategies.append(Strategy(Shard(last, k), _ins(node, m), sharded=True))
@@ -351,7 +351,7 @@ def mm(node, ctx):
     (m, k), (_, n) = shape_of(a), shape_of(b)
     strategies = _replicated(node) + [Strategy(P, _ins(node, {a: P}))]
     blocks = {1} | {kk for d, kk in ctx.hints.get(node, ()) if d == 1}
-    for kk in sorted(blocks):
+    for kk in sorted(blocks, key=blocks_order):
         if shardable(n, ctx.t, kk, allow_pad=(kk == 1)):
             strategies.append(Strategy(Shard(1, kk), _ins(node, {b: Shard(1, kk)}), sharded=True))
     if k % ctx.t == 0:
@@ -479,7 +479,8 @@ def strategies_for(node, ctx: RuleContext):
 
 # --- fused-projection hints ---------------------------------------------------------------------------
 def block_hints(gm, t: int):
-    """Find fused projections: a tensor split into k equal pieces along a dim wants ``Shard(dim, blocks=k)``.
+    """Find fused projections: a tensor split into k equal pieces along a dim wants ``Shard(dim, blocks=k)``,
+    into pieces of unequal sizes ``Shard(dim, blocks=sizes)``.
 
     The hint is carried upstream through views and pointwise ops to the projection that made the tensor
     and from there to its weight and bias, so the planner can offer the strided shard everywhere along
@@ -516,6 +517,6 @@ def block_hints(gm, t: int):
     for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "overloadpacket", None) in (aten.split, aten.split_with_sizes):
             sizes, dim = _split_sizes(node)
-            if len(sizes) > 1 and len(set(sizes)) == 1:
-                add(node.args[0], dim, len(sizes))
+            if len(sizes) > 1:   # k equal pieces, or unequal ones (a grouped-query q|k|v)
+                add(node.args[0], dim, len(sizes) if len(set(sizes)) == 1 else tuple(sizes))
     return hints

@@ -38,10 +38,16 @@ def _ins(node, mapping: dict):
     return tuple(mapping.get(n, R) for n in node.all_input_nodes)
 
 
+def blocks_order(k):
+    """Sort key for a ``blocks`` value: equal-block counts first, then unequal sizes (a tuple, which
+    does not compare with an int)."""
+    return isinstance(k, tuple), k
+
+
 def shard_options(node, shape, ctx: RuleContext, allow_pad=False):
     """All shards of a tensor: every dim t divides (or, if allowed, pads), plus blocked shards from hints."""
     opts = [Shard(d) for d, n in enumerate(shape) if n > 1 and shardable(n, ctx.t, 1, allow_pad)]
-    for d, k in sorted(ctx.hints.get(node, ())):
+    for d, k in sorted(ctx.hints.get(node, ()), key=lambda h: (h[0], blocks_order(h[1]))):
         if shardable(shape[d], ctx.t, k):
             opts.append(Shard(d, k))
     return opts

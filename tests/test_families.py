@@ -108,18 +108,20 @@ def test_outside_loss_from_logits():
     check(canonical("gpt_bigcode", "eager", loss="outside", tie_word_embeddings=False), 2)
 
 
-def test_tiling_slices_read_as_a_fused_projection():
+@pytest.mark.parametrize("kv_heads, blocks", [(4, 3), (2, (64, 32, 32))], ids=["mini", "grouped"])
+def test_tiling_slices_read_as_a_fused_projection(kv_heads, blocks):
     """Phi-3 slices its fused q|k|v (``qkv[..., :q]``, ...) instead of splitting it: the slices become one
     ``split_with_sizes``, so the projection is cut per block as GPT-2's ``c_attn`` is (Megatron's layout,
-    two all-reduces a layer) instead of row-parallel with an all-reduce per slice."""
+    two all-reduces a layer) instead of row-parallel with an all-reduce per slice. With fewer kv heads
+    (Phi-3-medium, Phi-4) the blocks are unequal: q holds more rows than k and v."""
     import transformers as T
     cfg = T.Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                       num_attention_heads=4, num_key_value_heads=4, pad_token_id=0)
+                       num_attention_heads=4, num_key_value_heads=kv_heads, pad_token_id=0)
     model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     ids = torch.randint(0, 128, (4, 64))
     prog = autoshard.compile_rank(model, MeshSpec(tp=2), 0, (), dict(input_ids=ids, labels=ids, use_cache=False))
     pl = {r.name: r.spec.tp for r in prog.params}
-    assert pl["model.layers.0.self_attn.qkv_proj.weight"] == Shard(0, blocks=3)
+    assert pl["model.layers.0.self_attn.qkv_proj.weight"] == Shard(0, blocks=blocks)
     assert pl["model.layers.0.self_attn.o_proj.weight"] == Shard(1)
     fwd = [c for c in prog.collectives if c.phase == "fwd" and c.kind == "all_reduce"]
     assert len(fwd) == 3, [c.what for c in fwd]   # the embedding's, the attention's and the MLP's

@@ -7,7 +7,8 @@ import torch
 import autoshard
 from autoshard.ir import meta as M
 from autoshard.ir.mesh import MeshSpec
-from autoshard.ir.placement import R, Shard, local_shape, shard_range
+from autoshard.ir.placement import R, Shard, local_shape, shard_range, shardable
+from autoshard.runtime.layout import assemble, take_shard
 from autoshard.passes.bias import decompose_bias_pass
 from autoshard.passes.capture import capture
 from autoshard.passes.manager import PASSES, PassContext
@@ -42,6 +43,13 @@ def test_view_groups_and_shard_mapping():
 
 def test_shard_ranges_blocks_and_padding():
     assert shard_range(12, 2, 1, blocks=3) == [(2, 4), (6, 8), (10, 12)]  # every block's second half
+    assert shard_range(16, 2, 1, blocks=(8, 4, 4)) == [(4, 8), (10, 12), (14, 16)]   # unequal q|k|v blocks
+    assert local_shape((16, 64), Shard(0, blocks=(8, 4, 4)), 2) == (8, 64)
+    assert shardable(16, 4, (8, 4, 4)) and not shardable(16, 8, (8, 4, 4))
+    full = torch.arange(16.0)
+    parts = [take_shard(full, 0, 16, 2, r, (8, 4, 4)) for r in range(2)]
+    assert parts[1].tolist() == [4, 5, 6, 7, 10, 11, 14, 15]
+    assert torch.equal(assemble(torch.cat(parts), 0, 16, 2, (8, 4, 4)), full)
     assert shard_range(97, 2, 1) == [(49, 97)]                           # last rank: 48 rows + 1 of padding
     assert local_shape((97, 64), Shard(0), 2) == (49, 64)
 

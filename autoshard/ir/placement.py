@@ -7,6 +7,9 @@ On one mesh axis of size t a tensor is
 - ``Shard(dim, blocks=k)``: ``dim`` is k equal blocks side by side (the q|k|v of a fused projection) and
   rank r holds the r-th chunk *of every block*, DTensor's ``_StridedShard``. Cutting a fused ``c_attn``
   in one contiguous chunk would give rank 0 all of q and half of k: the classic silent wrong result;
+- ``Shard(dim, blocks=(n0, n1, ...))``: the same with blocks of unequal sizes (a grouped-query q|k|v,
+  Phi-3-medium's and Phi-4's: q is larger than k and v). DTensor has no such placement (see
+  ``runtime/params.py`` for how such a parameter is shown);
 - ``Partial()``: every rank holds a summand; the tensor is their sum (a row-parallel matmul's output).
 
 A dim that t does not divide may still be sharded where the consumer can mask the tail (the vocab dim of
@@ -43,10 +46,19 @@ class Partial:
 @dataclass(frozen=True)
 class Shard:
     dim: int
-    blocks: int = 1
+    blocks: int | tuple = 1        # k equal blocks, or the sizes of unequal ones
 
     def __repr__(self):
+        if isinstance(self.blocks, tuple):
+            return f"S({self.dim},b{'|'.join(map(str, self.blocks))})"
         return f"S({self.dim})" if self.blocks == 1 else f"S({self.dim},b{self.blocks})"
+
+
+def block_sizes(n: int, blocks) -> tuple | None:
+    """The block sizes of a dim of length ``n`` under ``blocks`` (None for a plain shard)."""
+    if isinstance(blocks, tuple):
+        return blocks
+    return None if blocks == 1 else (n // blocks,) * blocks
 
 
 Placement = Union[Replicate, Partial, Shard]
@@ -76,10 +88,11 @@ class DistSpec:
         return "(" + ", ".join(shown) + ")" if shown else "R"
 
 
-def local_size(n: int, t: int, blocks: int = 1) -> int:
+def local_size(n: int, t: int, blocks=1) -> int:
     """Local length of a dim of global length ``n`` sharded t ways (padded up when t does not divide)."""
-    if blocks > 1:
-        return blocks * (n // blocks // t)
+    sizes = block_sizes(n, blocks)
+    if sizes:
+        return sum(b // t for b in sizes)
     return -(-n // t)
 
 
@@ -91,22 +104,25 @@ def local_shape(shape, placement: Placement, t: int):
     return tuple(shape)
 
 
-def shard_range(n: int, t: int, rank: int, blocks: int = 1):
+def shard_range(n: int, t: int, rank: int, blocks=1):
     """Global index ranges ``[(start, stop), ...]`` rank ``rank`` holds of a dim of length ``n``.
 
     One range per block; the last rank's range of a padded dim is clipped to ``n`` (the rest is padding).
     """
-    if blocks > 1:
-        b, c = n // blocks, n // blocks // t
-        return [(k * b + rank * c, k * b + (rank + 1) * c) for k in range(blocks)]
+    sizes = block_sizes(n, blocks)
+    if sizes:
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        return [(s + rank * (b // t), s + (rank + 1) * (b // t)) for s, b in zip(starts, sizes)]
     c = -(-n // t)
     return [(min(rank * c, n), min((rank + 1) * c, n))]
 
 
-def shardable(n: int, t: int, blocks: int = 1, allow_pad: bool = False) -> bool:
+def shardable(n: int, t: int, blocks=1, allow_pad: bool = False) -> bool:
     """Whether a dim of length n can be sharded t ways (evenly, or padded when the consumer allows)."""
     if t == 1:
         return True
+    if isinstance(blocks, tuple):
+        return sum(blocks) == n and all(b % t == 0 for b in blocks)
     if blocks > 1:
         return n % blocks == 0 and (n // blocks) % t == 0
     # padded: every rank must keep at least one real element (a shard of pure padding has no max)

@@ -39,7 +39,7 @@ class Transform:
     axis: str
     dim: int | None = None
     length: int | None = None
-    blocks: int = 1
+    blocks: int | tuple = 1
 
     def collectives(self, requires_grad: bool) -> list:
         """``[(phase, collective kind)]`` this step runs, forward then backward."""
@@ -51,7 +51,7 @@ class Transform:
         return out
 
     def __repr__(self):
-        where = "" if self.dim is None else f"(dim {self.dim}" + (f", {self.blocks} blocks" if self.blocks > 1 else "") + ")"
+        where = "" if self.dim is None else f"(dim {self.dim}" + (f", blocks {self.blocks}" if self.blocks != 1 else "") + ")"
         return f"{self.kind}{where}@{self.axis}"
 
 

@@ -1,6 +1,7 @@
 """Where a rank's chunk of a sharded dim lives: per block (fused q|k|v), padded at the end (vocab)."""
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from autoshard.ir.placement import local_size
@@ -8,6 +9,9 @@ from autoshard.ir.placement import local_size
 
 def take_shard(x, dim, n, size, rank, blocks=1):
     """Rank ``rank``'s chunk (of ``size``) of the full ``x`` along ``dim`` (length ``n``)."""
+    if isinstance(blocks, tuple):   # unequal blocks: rank r's chunk of each, side by side
+        return torch.cat([b.narrow(dim, rank * (len_ // size), len_ // size)
+                          for b, len_ in zip(x.split(list(blocks), dim), blocks)], dim)
     if blocks > 1:
         b = x.unflatten(dim, (blocks, n // blocks))
         c = n // blocks // size
@@ -21,6 +25,9 @@ def take_shard(x, dim, n, size, rank, blocks=1):
 
 def assemble(parts_cat, dim, n, size, blocks=1):
     """Inverse of ``take_shard`` on the concatenation of all ranks' chunks: the full tensor."""
+    if isinstance(blocks, tuple):
+        per_rank = [p.split([b // size for b in blocks], dim) for p in parts_cat.chunk(size, dim)]
+        return torch.cat([per_rank[r][k] for k in range(len(blocks)) for r in range(size)], dim)
     if blocks > 1:
         c = n // blocks // size
         x = parts_cat.unflatten(dim, (size, blocks, c)).transpose(dim, dim + 1)

@@ -8,6 +8,9 @@ compiler chose, so ``torch.nn.utils.clip_grad_norm_``, torch optimizers and
 - a blocked shard (a fused q|k|v cut per block) is ``_StridedShard(d, split_factor=blocks)``, whose
   local layout is exactly ours (rank r holds its chunk of every block), so ``full_tensor()`` is the
   user's original weight;
+- a shard of unequal blocks (a grouped-query q|k|v) has no DTensor placement: it is an even ``Shard(d)``
+  of the blocks in rank order (``held_in_rank_order``), and only our ``gather`` / ``state_dict()``
+  give the user's tensor;
 - a padded vocab shard (tp does not divide V) is DTensor's uneven ``Shard(0)``: torch's chunking gives
   the last rank fewer rows, which is our layout without the padding. The padding exists only in the
   graph: ``local_inputs`` pads the rows on the way in (and autograd slices the gradient back).
@@ -37,10 +40,24 @@ except ImportError:  # pragma: no cover
 
 
 def dtensor_placement(placement):
+    """DTensor's placement for ours. Unequal blocks have none: such a parameter is shown as an even
+    ``Shard`` of its blocks in rank order (``held_in_rank_order``)."""
     if isinstance(placement, Shard):
-        return _StridedShard(placement.dim, split_factor=placement.blocks) if placement.blocks > 1 \
+        return _StridedShard(placement.dim, split_factor=placement.blocks) if held_strided(placement) \
             else DShard(placement.dim)
     return DReplicate()
+
+
+def held_strided(placement) -> bool:
+    return isinstance(placement, Shard) and isinstance(placement.blocks, int) and placement.blocks > 1
+
+
+def held_in_rank_order(placement) -> bool:
+    """A shard of unequal blocks (a grouped-query q|k|v): the DTensor's global tensor is every rank's
+    blocks in rank order, a permutation of the user's. Elementwise optimizers, gradient norms and
+    ZeRO-1 are indifferent to that; the true tensor comes from ``gather``, ``full_state_dict`` and
+    ``state_dict`` (``checkpoint_view``), not from ``full_tensor()``."""
+    return isinstance(placement, Shard) and isinstance(placement.blocks, tuple)
 
 
 def _contiguous_stride(shape):
@@ -160,10 +177,12 @@ class ShardedParameters(nn.Module):
     def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The full tensor of which ``local`` is this rank's shard of parameter ``name`` (a collective when
         the parameter is sharded: every rank must call it). Works for gradients too."""
-        if DTensor is not None and isinstance(local, DTensor):
-            return local.full_tensor()
         r = self.records[name]
         pl = r.spec.tp
+        if DTensor is not None and isinstance(local, DTensor):
+            if not held_in_rank_order(pl):
+                return local.full_tensor()
+            local = local.to_local()
         if isinstance(pl, Shard):
             return gather_full(local, pl.dim, r.global_shape[pl.dim], self.tp, pl.blocks, "gather")
         return local
@@ -174,9 +193,9 @@ class ShardedParameters(nn.Module):
         blocked (strided) shard, which DCP's planner cannot describe as one rectangular chunk per rank in
         torch 2.13. That one is shown evenly ``Shard``ed instead (one gather of the parameter, at save time)."""
         pl = self.records[name].spec.tp
-        if DTensor is None or not isinstance(value, DTensor) or not (isinstance(pl, Shard) and pl.blocks > 1):
+        if DTensor is None or not isinstance(value, DTensor) or not (held_strided(pl) or held_in_rank_order(pl)):
             return value
-        full = value.full_tensor()
+        full = self.gather(name, value)
         local = full.chunk(self.tp.size, dim=pl.dim)[self.tp.rank].contiguous()
         return DTensor.from_local(local, self.mesh, [DShard(pl.dim)], run_check=False, shape=full.shape,
                                   stride=full.stride())
@@ -184,7 +203,8 @@ class ShardedParameters(nn.Module):
     def from_checkpoint_view(self, name, value):
         """The inverse of ``checkpoint_view``, for ``load_state_dict``."""
         r, pl = self.records[name], self.records[name].spec.tp
-        if DTensor is None or not isinstance(value, DTensor) or value.placements == (dtensor_placement(pl),):
+        if DTensor is None or not isinstance(value, DTensor) or (
+                value.placements == (dtensor_placement(pl),) and not held_in_rank_order(pl)):
             return value
         return self._wrap(self.slice(value.full_tensor(), r).contiguous(), r)
 
