@@ -128,6 +128,7 @@ REWRITES = {
     aten.unsafe_chunk.default: _chunk,
     aten.stack.default: _stack,
     aten.flatten.using_ints: _flatten,
+    aten.unflatten.int: _flatten,     # nn.MultiheadAttention's packed q|k|v: a reshape either way
     aten.numpy_T.default: _numpy_t,
     aten.broadcast_to.default: _broadcast_to,
 }

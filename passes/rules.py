@@ -18,7 +18,7 @@ import torch
 
 from autoshard.ir.placement import P, R, Shard, block_sizes, shardable
 from autoshard.passes.rules_vocab import cross_entropy, embedding, logsumexp
-from autoshard.passes.shapes import map_shard_through_view, shape_of, squeezed_dims, val
+from autoshard.passes.shapes import map_shard_through_view, shape_of, squeezed_dims, val, view_groups
 from autoshard.passes.strategy import RuleContext, Strategy, _ins, _replicated, blocks_order, shard_options
 
 __all__ = ["RULES", "POINTWISE", "VIEW_OPS", "RuleContext", "Strategy", "strategies_for", "block_hints",
@@ -361,13 +361,19 @@ def mm(node, ctx):
     return strategies
 
 
+def _batch_shards(a, ctx):
+    """The shards of a batched matmul's batch dim: any the operand can hold, blocked ones too (BLOOM's
+    batch*heads dim holds each batch element's block of heads: ``Shard(0, blocks=B)``)."""
+    return [s for s in shard_options(a, shape_of(a), ctx) if s.dim == 0 and not isinstance(s.blocks, tuple)]
+
+
 def bmm(node, ctx):
     a, b = node.args[0], node.args[1]
-    (B, m, k), (_, _, n) = shape_of(a), shape_of(b)
+    (_, m, k), (_, _, n) = shape_of(a), shape_of(b)
     t = ctx.t
     strategies = _replicated(node)
-    if B % t == 0:
-        strategies.append(Strategy(Shard(0), _ins(node, {a: Shard(0), b: Shard(0)}), sharded=True))
+    for s in _batch_shards(a, ctx):
+        strategies.append(Strategy(s, _ins(node, {a: s, b: s}), sharded=True))
     if m % t == 0:
         strategies.append(Strategy(Shard(1), _ins(node, {a: Shard(1)}), sharded=True))
     if n % t == 0:
@@ -384,7 +390,10 @@ def baddbmm(node, ctx):
     (B, m, _), (_, _, n) = shape_of(a), shape_of(b)
     cs = (1,) * (3 - len(shape_of(c))) + tuple(shape_of(c))
     strategies = _replicated(node)
-    for d, size, operands in ((0, B, {a: Shard(0), b: Shard(0)}), (1, m, {a: Shard(1)}), (2, n, {b: Shard(2)})):
+    for s in _batch_shards(a, ctx):
+        own = {c: s} if len(shape_of(c)) == 3 and cs[0] == B else {}   # else c broadcasts over the batch
+        strategies.append(Strategy(s, _ins(node, {a: s, b: s} | own), sharded=True))
+    for d, size, operands in ((1, m, {a: Shard(1)}), (2, n, {b: Shard(2)})):
         if size % ctx.t == 0 and size > 1:
             own = {c: Shard(d - (3 - len(shape_of(c))))} if cs[d] == size else {}
             strategies.append(Strategy(Shard(d), _ins(node, operands | own), sharded=True))
@@ -478,6 +487,19 @@ def strategies_for(node, ctx: RuleContext):
 
 
 # --- fused-projection hints ---------------------------------------------------------------------------
+def _packed_pieces(in_shape, out_shape):
+    """``(dim, k)`` when a reshape unpacks one dim into k = 2 or 3 pieces and the rest
+    (``nn.MultiheadAttention``'s ``(..., 3E) -> (..., 3, E)``), else None."""
+    groups = view_groups(in_shape, out_shape) if in_shape and out_shape else None
+    for gi, gj in groups or ():
+        real_i = [d for d in gi if in_shape[d] != 1]
+        real_j = [d for d in gj if out_shape[d] != 1]
+        if len(real_i) == 1 and len(real_j) == 2 and out_shape[real_j[0]] in (2, 3):
+            return real_i[0], out_shape[real_j[0]]
+    return None
+
+
+
 def block_hints(gm, t: int):
     """Find fused projections: a tensor split into k equal pieces along a dim wants ``Shard(dim, blocks=k)``,
     into pieces of unequal sizes ``Shard(dim, blocks=sizes)``.
@@ -519,4 +541,8 @@ def block_hints(gm, t: int):
             sizes, dim = _split_sizes(node)
             if len(sizes) > 1:   # k equal pieces, or unequal ones (a grouped-query q|k|v)
                 add(node.args[0], dim, len(sizes) if len(set(sizes)) == 1 else tuple(sizes))
+        elif node.op == "call_function" and getattr(node.target, "overloadpacket", None) in (aten.view, aten.reshape):
+            k = _packed_pieces(shape_of(node.args[0]), shape_of(node))
+            if k:
+                add(node.args[0], *k)
     return hints

@@ -73,36 +73,41 @@ def view_groups(in_shape, out_shape):
 
 
 def map_shard_through_view(in_shape, out_shape, dim, blocks, t):
-    """Where a shard on input ``dim`` lands after a reshape, or None when it cannot stay local.
+    """Where a shard on input ``dim`` lands after a reshape, or None when it cannot stay local:
+    ``(out_dim, out_blocks)``.
 
-    Exact cases: a dim that survives unchanged; the leading dim of a merge (``(B, T) -> B*T``); the
-    leading dim of a split (``h -> (nh, hs)`` shards the heads). A blocked shard (fused q|k|v) survives
-    a split whose leading size is the block count (``3h -> (3, nh, hs)`` shards ``nh``).
+    A dim that survives unchanged keeps its shard as it is (padded or blocked alike). Otherwise the
+    shard is followed as a digit of the flat index: input ``dim`` of length n is ``(blocks, t, c)`` in
+    mixed radix, rank r holding digit value r. A reshape keeps the flat index, so the shard stays local
+    when that digit falls whole inside one output dim, which is then ``(outer, t, inner)``:
+    ``Shard(out_dim, blocks=outer)``. So ``h -> (nh, hs)`` shards the heads, a fused ``3h -> (3, nh, hs)``
+    the heads of each block, and ``(B, E) -> (B*nh, hs)`` (batch and heads merged, as BLOOM and
+    ``nn.MultiheadAttention`` do) gives every batch element's block of heads: ``blocks=B``.
     """
     groups = view_groups(in_shape, out_shape)
     if groups is None:
         return None
     for gi, gj in groups:
-        if dim not in gi:
-            continue
-        real_i = [d for d in gi if in_shape[d] != 1]
-        real_j = [d for d in gj if out_shape[d] != 1]
-        if not real_i or dim != real_i[0]:
-            return None
-        if len(real_i) == 1 and len(real_j) == 1:
-            return (real_j[0], blocks)
-        if len(real_j) == 1:  # merge: only the outermost dim may carry the shard, and evenly
-            if blocks != 1 or in_shape[dim] % t:
-                return None
-            return (real_j[0], 1)
-        if len(real_i) == 1:  # split
-            first = real_j[0]
-            if blocks == 1:
-                return (first, 1) if out_shape[first] % t == 0 else None
-            if out_shape[first] == blocks and len(real_j) > 1 and out_shape[real_j[1]] % t == 0:
-                return (real_j[1], 1)
-            return None
+        if dim in gi:
+            real_i = [d for d in gi if in_shape[d] != 1]
+            real_j = [d for d in gj if out_shape[d] != 1]
+            if real_i == [dim] and len(real_j) == 1:
+                return (real_j[0], blocks)
+            break
+    if isinstance(blocks, tuple) or t < 2 or in_shape[dim] % (blocks * t):
         return None
+    digit = in_shape[dim] // (blocks * t)          # the flat stride of the rank digit
+    for d in in_shape[dim + 1:]:
+        digit *= d
+    stride = 1
+    for j in reversed(range(len(out_shape))):
+        lo, hi = stride, stride * out_shape[j]
+        if lo <= digit and digit * t <= hi:
+            if digit % lo or hi % (digit * t):
+                return None
+            inner = digit // lo
+            return (j, out_shape[j] // (inner * t))
+        stride = hi
     return None
 
 

@@ -125,3 +125,20 @@ def test_tiling_slices_read_as_a_fused_projection(kv_heads, blocks):
     assert pl["model.layers.0.self_attn.o_proj.weight"] == Shard(1)
     fwd = [c for c in prog.collectives if c.phase == "fwd" and c.kind == "all_reduce"]
     assert len(fwd) == 3, [c.what for c in fwd]   # the embedding's, the attention's and the MLP's
+
+
+def test_bloom_attention_keeps_its_heads_through_the_batch_heads_merge():
+    """BLOOM merges batch and heads (``reshape(batch * heads, s, hd)``) for its ALiBi ``baddbmm`` and
+    ``bmm``: that dim holds each batch element's block of heads (``Shard(0, blocks=B)``), so q, k and v
+    are not all-gathered and the attention is not run whole on every rank."""
+    import transformers as T
+    cfg = T.BloomConfig(vocab_size=128, hidden_size=64, n_layer=1, n_head=4)
+    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    ids = torch.randint(0, 128, (4, 64))
+    prog = autoshard.compile_rank(model, MeshSpec(tp=2), 0, (), dict(input_ids=ids, labels=ids, use_cache=False))
+    pl = {r.name: r.spec.tp for r in prog.params}
+    assert pl["transformer.h.0.self_attention.query_key_value.weight"].dim == 0, pl
+    assert pl["transformer.h.0.self_attention.dense.weight"] == Shard(1), pl
+    fwd = [c for c in prog.collectives if c.phase == "fwd" and c.kind == "all_reduce"]
+    assert len(fwd) == 3, [c.what for c in fwd]   # the embedding's, the attention's and the MLP's
+    assert not [c for c in prog.collectives if c.kind == "all_gather" and c.phase == "bwd"], prog.collectives

@@ -38,7 +38,11 @@ def test_view_groups_and_shard_mapping():
     assert map_shard_through_view((2, 16, 64), (2, 16, 4, 16), 2, 1, 8) is None       # 4 heads over 8 ranks
     assert map_shard_through_view((2, 16, 192), (2, 16, 3, 4, 16), 2, 3, 2) == (3, 1)  # q|k|v blocks -> heads
     assert map_shard_through_view((2, 16, 64), (32, 64), 0, 1, 2) == (0, 1)           # merge keeps the outer dim
-    assert map_shard_through_view((2, 16, 64), (32, 64), 1, 1, 2) is None             # inner dim of a merge
+    assert map_shard_through_view((2, 16, 64), (32, 64), 1, 1, 2) == (0, 2)           # inner dim of a merge: per row block
+    assert map_shard_through_view((4, 8, 16, 8), (32, 16, 8), 1, 1, 2) == (0, 4)       # BLOOM's batch*heads
+    assert map_shard_through_view((32, 16, 8), (4, 8, 16, 8), 0, 4, 2) == (1, 1)       # and back
+    assert map_shard_through_view((2, 16, 192), (2, 16, 12, 16), 2, 3, 2) == (2, 3)   # q|k|v heads in one dim
+    assert map_shard_through_view((2, 16, 64), (2, 16, 64), 2, (32, 16, 16), 2) == (2, (32, 16, 16))
 
 
 def test_shard_ranges_blocks_and_padding():

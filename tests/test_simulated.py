@@ -497,3 +497,39 @@ def test_a_fused_kv_projection_counts_each_kv_head_once():
     pl = {r.name: r.spec.tp for r in prog.params}
     assert pl["q.weight"] == Shard(0) and pl["o.weight"] == Shard(1) and pl["kv.weight"] != Shard(0), pl
     assert not [c for c in prog.collectives if c.kind == "all_gather"], prog.collectives
+
+
+class TorchLayersLM(nn.Module):
+    """A causal LM from torch's own ``nn.TransformerEncoderLayer``: ``nn.MultiheadAttention`` packs q|k|v
+    in one ``in_proj_weight``, unpacks it with ``unflatten(-1, (3, E))`` and merges batch and heads into
+    one dim (``view(T, B * heads, head_dim)``) for its bmm-free sdpa."""
+
+    def __init__(self, vocab=48, dim=32, heads=4, layers=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True,
+                                                               norm_first=True) for _ in range(layers))
+        self.out = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens, targets):
+        h = self.emb(tokens)
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        for layer in self.layers:
+            h = layer(h, src_mask=mask, is_causal=True)
+        return F.cross_entropy(self.out(h).flatten(0, 1), targets.flatten())
+
+
+def test_torch_multihead_attention_is_cut_by_heads():
+    """The packed q|k|v is cut per block and the batch*heads dim holds each batch element's block of
+    heads (``Shard(0, blocks=B)``): Megatron's layout, no all-gather, and exact at tp 2 and 4."""
+    torch.manual_seed(0)
+    model = TorchLayersLM()
+    args = (torch.randint(0, 48, (2, 8)), torch.randint(0, 48, (2, 8)))
+    assert_same(model, args, 2)
+    assert_same(model, args, 4)
+    big = (torch.randint(0, 48, (4, 64)), torch.randint(0, 48, (4, 64)))
+    prog = autoshard.compile_rank(model, {"tp": 2}, 0, big)   # (the causal mask's triu runs replicated)
+    pl = {r.name: r.spec.tp for r in prog.params}
+    assert pl["layers.0.self_attn.in_proj_weight"] == Shard(0, blocks=3), pl
+    assert pl["layers.0.self_attn.out_proj.weight"] == Shard(1) and pl["layers.0.linear1.weight"] == Shard(0), pl
+    assert not [c for c in prog.collectives if c.kind == "all_gather"], prog.collectives
