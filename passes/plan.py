@@ -159,7 +159,10 @@ class Solution:
 def offer_blocked_outputs(n, strategies, ctx: RuleContext) -> None:
     """A blocked shard a node can produce (a view merging batch and heads gives ``Shard(0, blocks=B)``) is
     an option its consumers may keep: it joins the node's hints, which their rules read. Nodes are
-    planned in graph order, so every producer is seen before its consumers."""
+    planned in graph order, so every producer is seen before its consumers. (At tp=1 nothing is
+    sharded: no options are added, and the plan stays the model's own graph.)"""
+    if ctx.t < 2:
+        return
     for s in strategies:
         if isinstance(s.out, Shard) and s.out.blocks != 1:
             ctx.hints.setdefault(n, set()).add((s.out.dim, s.out.blocks))
@@ -168,7 +171,7 @@ def offer_blocked_outputs(n, strategies, ctx: RuleContext) -> None:
 def inherit_hints(n, ctx: RuleContext) -> None:
     """A pointwise op offers its inputs' blocked shards on the same (broadcast-aligned) dims: its rule
     enumerates the shards of its own output."""
-    if getattr(n.target, "overloadpacket", None) not in POINTWISE:
+    if ctx.t < 2 or getattr(n.target, "overloadpacket", None) not in POINTWISE:
         return
     out = shape_of(n) or ()
     for inp in n.all_input_nodes:

@@ -93,8 +93,10 @@ def map_shard_through_view(in_shape, out_shape, dim, blocks, t):
             real_j = [d for d in gj if out_shape[d] != 1]
             if real_i == [dim] and len(real_j) == 1:
                 return (real_j[0], blocks)
+            if t < 2:
+                return _unit_axis(real_i, real_j, out_shape, dim, blocks)
             break
-    if isinstance(blocks, tuple) or t < 2 or in_shape[dim] % (blocks * t):
+    if isinstance(blocks, tuple) or in_shape[dim] % (blocks * t):
         return None
     digit = in_shape[dim] // (blocks * t)          # the flat stride of the rank digit
     for d in in_shape[dim + 1:]:
@@ -108,6 +110,20 @@ def map_shard_through_view(in_shape, out_shape, dim, blocks, t):
             inner = digit // lo
             return (j, out_shape[j] // (inner * t))
         stride = hi
+    return None
+
+
+def _unit_axis(real_i, real_j, out_shape, dim, blocks):
+    """At tp=1 nothing is cut, so any mapping is exact; these (the leading dim of a merge or a split, a
+    block count's next dim) keep the plans the tp=1 programs have always had."""
+    if not real_i or dim != real_i[0]:
+        return None
+    if len(real_j) == 1:
+        return (real_j[0], 1) if blocks == 1 else None
+    if len(real_i) == 1:
+        if blocks == 1:
+            return (real_j[0], 1)
+        return (real_j[1], 1) if out_shape[real_j[0]] == blocks else None
     return None
 
 
