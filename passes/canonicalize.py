@@ -7,7 +7,7 @@ table: one row per op, a function that emits the replacement. An op is supported
 
 Slices that tile a tensor along one dim (Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q+kv]``, ``qkv[..., q+kv:]``)
 become one ``split_with_sizes``: the spelling in which the planner finds a fused projection
-(``rules.block_hints``), as it does for GPT-2's ``c_attn.split``.
+(``hints.block_hints``), as it does for GPT-2's ``c_attn.split``.
 
 In-place ops (Falcon's ``mlp_out += attn_out``, eager attention's ``scores /= ...``) become their
 out-of-place form when the value they write is an op result that no view aliases; later reads of it
@@ -240,6 +240,7 @@ def _tiling_slices_as_split(g) -> None:
             r = _slice_range(n)
             if r is not None:
                 groups.setdefault((n.args[0], r[0]), {}).setdefault(r[1:], []).append(n)
+    order = {n: i for i, n in enumerate(g.nodes)}
     for (_, dim), by_range in groups.items():
         ranges = sorted(by_range)
         x = by_range[ranges[0]][0].args[0]   # now: an earlier tiling may have replaced the slice it was
@@ -247,7 +248,7 @@ def _tiling_slices_as_split(g) -> None:
         if len(ranges) < 2 or any(s != ends[i] or e <= s for i, (s, e) in enumerate(ranges)) \
                 or ends[-1] != shape_of(x)[dim]:
             continue
-        first = min((n for r in ranges for n in by_range[r]), key=lambda n: list(g.nodes).index(n))
+        first = min((n for r in ranges for n in by_range[r]), key=order.__getitem__)
         with g.inserting_before(first):
             split = _emit(g, aten.split_with_sizes.default, (x, [e - s for s, e in ranges], dim), first)
             pieces = [g.call_function(operator.getitem, (split, i)) for i in range(len(ranges))]

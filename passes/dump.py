@@ -13,6 +13,7 @@ import sympy
 import torch
 
 from autoshard.ir import meta as M
+from autoshard.ir.placement import Shard
 from autoshard.ir.program import comm_summary
 from autoshard.ir.redistribute import volume
 from autoshard.passes.cost import symbolize
@@ -219,7 +220,7 @@ def write_plan(program, dump_dir):
     for p in program.params:
         L.append(f"| {p.name} | {p.spec!r} | {p.local_shape} | {p.global_shape} | {p.nbytes} |")
     L += ["", f"Parameter bytes on this rank: {sum(p.nbytes for p in program.params)}", ""]
-    rank_order = [p.name for p in program.params if isinstance(getattr(p.spec.tp, "blocks", 1), tuple)]
+    rank_order = [p.name for p in program.params if isinstance(p.spec.tp, Shard) and p.spec.tp.unequal]
     if rank_order:
         L += ["Held in rank order (blocks of unequal size, which DTensor cannot describe): take these whole from "
               "`pm.state_dict()` or `pm.full_state_dict()`, not `full_tensor()`: "

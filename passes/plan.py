@@ -31,7 +31,8 @@ from autoshard.ir.program import PlanReport
 from autoshard.ir.redistribute import volume
 from autoshard.passes.attention import attention_layouts, replicated_by_design
 from autoshard.passes.cost import collectives_time, flops, residual_stream_bytes, transition
-from autoshard.passes.rules import POINTWISE, RuleContext, Strategy, block_hints, shard_options, strategies_for
+from autoshard.passes.hints import block_hints, inherit_hints, offer_blocked_outputs
+from autoshard.passes.rules import RuleContext, Strategy, shard_options, strategies_for
 from autoshard.passes.shapes import module_path, shape_of, val
 
 FORBIDDEN = 1e9  # seconds: a choice the ILP must never take
@@ -154,32 +155,6 @@ class Solution:
     objective: float
     seconds: float
     variables: int
-
-
-def offer_blocked_outputs(n, strategies, ctx: RuleContext) -> None:
-    """A blocked shard a node can produce (a view merging batch and heads gives ``Shard(0, blocks=B)``) is
-    an option its consumers may keep: it joins the node's hints, which their rules read. Nodes are
-    planned in graph order, so every producer is seen before its consumers. (At tp=1 nothing is
-    sharded: no options are added, and the plan stays the model's own graph.)"""
-    if ctx.t < 2:
-        return
-    for s in strategies:
-        if isinstance(s.out, Shard) and s.out.blocks != 1:
-            ctx.hints.setdefault(n, set()).add((s.out.dim, s.out.blocks))
-
-
-def inherit_hints(n, ctx: RuleContext) -> None:
-    """A pointwise op offers its inputs' blocked shards on the same (broadcast-aligned) dims: its rule
-    enumerates the shards of its own output."""
-    if ctx.t < 2 or getattr(n.target, "overloadpacket", None) not in POINTWISE:
-        return
-    out = shape_of(n) or ()
-    for inp in n.all_input_nodes:
-        ishape = shape_of(inp) or ()
-        for d, k in ctx.hints.get(inp, ()):
-            od = d + len(out) - len(ishape)
-            if 0 <= od < len(out) and out[od] == ishape[d]:
-                ctx.hints.setdefault(n, set()).add((od, k))
 
 
 def build_problem(gm, ctx: RuleContext, cm: CostModel, pins: dict, rg: dict, replicated=frozenset()) -> Problem:

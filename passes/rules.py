@@ -18,11 +18,10 @@ import torch
 
 from autoshard.ir.placement import P, R, Shard, block_sizes, shardable
 from autoshard.passes.rules_vocab import cross_entropy, embedding, logsumexp
-from autoshard.passes.shapes import map_shard_through_view, shape_of, squeezed_dims, val, view_groups
+from autoshard.passes.shapes import map_shard_through_view, shape_of, squeezed_dims, val
 from autoshard.passes.strategy import RuleContext, Strategy, _ins, _replicated, blocks_order, shard_options
 
-__all__ = ["RULES", "POINTWISE", "VIEW_OPS", "RuleContext", "Strategy", "strategies_for", "block_hints",
-           "shard_options"]
+__all__ = ["RULES", "POINTWISE", "VIEW_OPS", "RuleContext", "Strategy", "strategies_for", "shard_options"]
 
 aten = torch.ops.aten
 
@@ -181,7 +180,7 @@ def repeat_interleave(node, ctx):
     return strategies
 
 
-def _split_sizes(node):
+def split_sizes(node):
     src = node.args[0]
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
     n = shape_of(src)[dim % len(shape_of(src))]
@@ -193,7 +192,7 @@ def _split_sizes(node):
 
 def split(node, ctx):
     src = node.args[0]
-    sizes, dim = _split_sizes(node)
+    sizes, dim = split_sizes(node)
     strategies = _replicated(node) + [Strategy(P, _ins(node, {src: P}))]
     for s in shard_options(src, shape_of(src), ctx):
         if s.dim != dim:
@@ -364,7 +363,7 @@ def mm(node, ctx):
 def _batch_shards(a, ctx):
     """The shards of a batched matmul's batch dim: any the operand can hold, blocked ones too (BLOOM's
     batch*heads dim holds each batch element's block of heads: ``Shard(0, blocks=B)``)."""
-    return [s for s in shard_options(a, shape_of(a), ctx) if s.dim == 0 and not isinstance(s.blocks, tuple)]
+    return [s for s in shard_options(a, shape_of(a), ctx) if s.dim == 0 and not s.unequal]
 
 
 def bmm(node, ctx):
@@ -484,65 +483,3 @@ def strategies_for(node, ctx: RuleContext):
         return [Strategy(R, _ins(node, {}))]  # creation ops (arange, full) and side-effect-only ops
     ctx.unruled.append(node)
     return _replicated(node)
-
-
-# --- fused-projection hints ---------------------------------------------------------------------------
-def _packed_pieces(in_shape, out_shape):
-    """``(dim, k)`` when a reshape unpacks one dim into k = 2 or 3 pieces and the rest
-    (``nn.MultiheadAttention``'s ``(..., 3E) -> (..., 3, E)``), else None."""
-    groups = view_groups(in_shape, out_shape) if in_shape and out_shape else None
-    for gi, gj in groups or ():
-        real_i = [d for d in gi if in_shape[d] != 1]
-        real_j = [d for d in gj if out_shape[d] != 1]
-        if len(real_i) == 1 and len(real_j) == 2 and out_shape[real_j[0]] in (2, 3):
-            return real_i[0], out_shape[real_j[0]]
-    return None
-
-
-
-def block_hints(gm, t: int):
-    """Find fused projections: a tensor split into k equal pieces along a dim wants ``Shard(dim, blocks=k)``,
-    into pieces of unequal sizes ``Shard(dim, blocks=sizes)``.
-
-    The hint is carried upstream through views and pointwise ops to the projection that made the tensor
-    and from there to its weight and bias, so the planner can offer the strided shard everywhere along
-    the way (``linear -> add(bias) -> view -> split`` in HF GPT-2).
-    """
-    hints = {}
-
-    def add(node, dim, k):
-        if (dim, k) in hints.setdefault(node, set()):
-            return
-        hints[node].add((dim, k))
-        if node.op != "call_function":
-            return
-        packet = getattr(node.target, "overloadpacket", None)
-        out = shape_of(node)
-        if packet in (aten.view, aten.reshape, aten._unsafe_view, aten.alias):
-            src = node.args[0]
-            mapped = map_shard_through_view(out, shape_of(src), dim, 1, t)
-            if mapped and shape_of(src)[mapped[0]] == out[dim]:
-                add(src, mapped[0], k)
-        elif packet in POINTWISE:
-            for inp in node.all_input_nodes:
-                s = shape_of(inp) or ()
-                d = dim - (len(out) - len(s))
-                if d >= 0 and s[d] == out[dim]:
-                    add(inp, d, k)
-        elif packet is aten.linear and dim == len(out) - 1:
-            add(node.args[1], 0, k)
-            if len(node.args) > 2 and node.args[2] is not None:
-                add(node.args[2], 0, k)
-        elif packet is aten.mm and dim == 1:
-            add(node.args[1], 1, k)
-
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "overloadpacket", None) in (aten.split, aten.split_with_sizes):
-            sizes, dim = _split_sizes(node)
-            if len(sizes) > 1:   # k equal pieces, or unequal ones (a grouped-query q|k|v)
-                add(node.args[0], dim, len(sizes) if len(set(sizes)) == 1 else tuple(sizes))
-        elif node.op == "call_function" and getattr(node.target, "overloadpacket", None) in (aten.view, aten.reshape):
-            k = _packed_pieces(shape_of(node.args[0]), shape_of(node))
-            if k:
-                add(node.args[0], *k)
-    return hints

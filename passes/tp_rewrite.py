@@ -23,7 +23,7 @@ from autoshard.ir import meta as M
 from autoshard.ir import ops
 from autoshard.ir.placement import Replicate, Shard, local_shape, shard_range
 from autoshard.passes.plan import partial_grad_use
-from autoshard.passes.rules import VIEW_OPS, _split_sizes
+from autoshard.passes.rules import VIEW_OPS, split_sizes
 from autoshard.passes.rules_vocab import cross_entropy_args, logsumexp_dims
 from autoshard.passes.shapes import shape_of, squeezed_dims, val
 
@@ -177,7 +177,7 @@ def _lower(g, n, s, args, kwargs, t, rank, add_module):
             return g.call_function(aten.reshape.default, args, dict(kwargs))
     elif packet in (aten.split, aten.split_with_sizes):
         src = s.ins[0]
-        sizes, dim = _split_sizes(n)
+        sizes, dim = split_sizes(n)
         if isinstance(src, Shard) and src.dim == dim:
             local = [x // t for x in sizes]
             args = (args[0], local[0] if packet is aten.split else local) + tuple(args[2:])

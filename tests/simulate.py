@@ -131,3 +131,35 @@ def simulate(model, t, args=(), kwargs=None, loss_fn=None, **options):
         return out, grads, in_grads
 
     return run_ranks(mesh, rank_main)
+
+
+def reference(model, args, loss_fn=None):
+    """Eager output, every parameter's gradient (tied names too) and the inputs' gradients."""
+    ref = copy.deepcopy(model)
+    args = copy.deepcopy(args)
+    out = ref(*args)
+    (loss_fn(out) if loss_fn else out).backward()
+    grads = dict(ref.named_parameters(remove_duplicate=False))
+    in_grads = [a.grad for a in args if isinstance(a, torch.Tensor)]
+    return out, {k: p.grad for k, p in grads.items()}, in_grads
+
+
+def assert_same(model, args, t, loss_fn=None, **options):
+    """Every rank of a simulated tp=t run matches eager: output, each gradient, each input gradient."""
+    out, grads, in_grads = reference(model, args, loss_fn)
+    for rank, (o, g, ig) in enumerate(simulate(model, t, args, loss_fn=loss_fn, **options)):
+        o = loss_fn(o) if loss_fn else o
+        torch.testing.assert_close(o, loss_fn(out) if loss_fn else out, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank} output: {m}")
+        # every parameter (tied names included) is compared: none may be missing on either side
+        assert set(g) == set(grads), f"rank {rank}: gradients {sorted(set(g) ^ set(grads))} on one side only"
+        for name, ref_g in grads.items():
+            assert (g[name] is None) == (ref_g is None), f"rank {rank} grad {name}: one side has none"
+            if ref_g is not None:
+                torch.testing.assert_close(g[name], ref_g, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"rank {rank} grad {name}: {m}")
+        assert len(ig) == len(in_grads)
+        for a, b in zip(ig, in_grads):
+            assert (a is None) == (b is None), f"rank {rank}: an input gradient exists on one side only"
+            if b is not None:
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank} input grad: {m}")

@@ -48,8 +48,13 @@ class Shard:
     dim: int
     blocks: int | tuple = 1        # k equal blocks, or the sizes of unequal ones
 
+    @property
+    def unequal(self) -> bool:
+        """Blocks of unequal sizes (a grouped-query q|k|v)."""
+        return isinstance(self.blocks, tuple)
+
     def __repr__(self):
-        if isinstance(self.blocks, tuple):
+        if self.unequal:
             return f"S({self.dim},b{'|'.join(map(str, self.blocks))})"
         return f"S({self.dim})" if self.blocks == 1 else f"S({self.dim},b{self.blocks})"
 

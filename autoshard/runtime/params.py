@@ -49,7 +49,7 @@ def dtensor_placement(placement):
 
 
 def held_strided(placement) -> bool:
-    return isinstance(placement, Shard) and isinstance(placement.blocks, int) and placement.blocks > 1
+    return isinstance(placement, Shard) and not placement.unequal and placement.blocks > 1
 
 
 def held_in_rank_order(placement) -> bool:
@@ -57,7 +57,7 @@ def held_in_rank_order(placement) -> bool:
     blocks in rank order, a permutation of the user's. Elementwise optimizers, gradient norms and
     ZeRO-1 are indifferent to that; the true tensor comes from ``gather``, ``full_state_dict`` and
     ``state_dict`` (``checkpoint_view``), not from ``full_tensor()``."""
-    return isinstance(placement, Shard) and isinstance(placement.blocks, tuple)
+    return isinstance(placement, Shard) and placement.unequal
 
 
 def _contiguous_stride(shape):
