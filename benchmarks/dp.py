@@ -35,7 +35,8 @@ def _rank(rank, world, job):
     model = _gpt(job["layers"], job["vocab"], job["hidden"], job["seq"], tie=False)
     x, y = _batch(job["vocab"], job["batch"], job["seq"], seed=rank)   # this rank's own data
     mesh = autoshard.init_mesh(dp=world)
-    pm = autoshard.parallelize(copy.deepcopy(model), mesh, (x, y), microbatches=1)
+    pm = autoshard.parallelize(copy.deepcopy(model), mesh, (x, y), microbatches=1,
+                               fuse={"auto": "auto", "on": True, "off": False}[job["fuse"]])
     if hasattr(pm, "bucket_bytes") and job["bucket_mb"] is not None:
         pm.bucket_bytes = int(job["bucket_mb"] * 2**20)
     if job["first_bucket_mb"] is not None:   # DDP's 1 MiB first bucket starts the all-reduce during backward
@@ -115,6 +116,8 @@ def main(argv=None):
     ap.add_argument("--first-bucket-mb", type=float, default=None,
                     help="autoshard's first bucket (default: 1 MiB on CUDA as DDP's; on CPU as large as the others, "
                          "since overlap slows a CPU backward; 1 measures the overlap DDP gets)")
+    ap.add_argument("--fuse", choices=["auto", "on", "off"], default="auto",
+                    help="autoshard's generated Triton fusion (auto: on under NCCL on CUDA, as parallelize's default)")
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args(argv)
     job = {k: v for k, v in vars(args).items() if k not in ("dp", "out")}

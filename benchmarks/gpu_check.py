@@ -62,8 +62,9 @@ def _verdict(result: dict) -> tuple[float, float, float, bool]:
     return loss, grads, final, ok
 
 
-def run(world: int) -> list:
-    """One table row per configuration of ``world`` ranks: ``(config, verdict or error)``."""
+def run(world: int, tracebacks: list) -> list:
+    """One table row per configuration of ``world`` ranks: ``(config, verdict or error)``; a rank's whole
+    traceback goes to ``tracebacks`` (the table keeps its last line)."""
     from autoshard.launcher import RankError, launch
     from tests.pipeline_checks import run_configs
     configs = CONFIGS[world]
@@ -72,6 +73,7 @@ def run(world: int) -> list:
         results = launch(run_configs, world, configs, timeout=1800)
     except RankError as e:
         first = next(iter(e.errors.values())).strip().splitlines()[-1]
+        tracebacks += [f"--- {world} rank(s), rank {r}:\n{text}" for r, text in sorted(e.errors.items())]
         return [(c, f"rank error: {first[:200]}") for c in configs]
     rows = []
     for config, per_rank in zip(configs, zip(*results)):
@@ -115,11 +117,11 @@ def main(argv=None) -> int:
     else:
         gpus, device = 8, "CPU ranks"
     worlds = args.world or [w for w in CONFIGS if w <= gpus]
-    rows = []
+    rows, tracebacks = [], []
     for world in worlds:
         if world not in CONFIGS:
             raise SystemExit(f"--world takes {sorted(CONFIGS)}, got {world}")
-        for config, verdict in run(world):
+        for config, verdict in run(world, tracebacks):
             rows.append((world, config, verdict))
             ok = not isinstance(verdict, str) and verdict[3]
             print(f"  {'pass' if ok else 'FAIL'}  {config[1]} {config[2]} {config[0]}: {verdict}", flush=True)
@@ -127,6 +129,10 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_check.md"), "w") as f:
         f.write(text)
+    if tracebacks:
+        with open(os.path.join(args.out, "gpu_check_errors.log"), "w") as f:
+            f.write("\n".join(tracebacks))
+        print(f"gpu_check: the ranks' tracebacks are in {os.path.join(args.out, 'gpu_check_errors.log')}")
     print(text)
     return 0 if all(not isinstance(v, str) and v[3] for _, _, v in rows) else 1
 

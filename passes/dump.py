@@ -13,13 +13,13 @@ import sympy
 import torch
 
 from autoshard.ir import meta as M
-from autoshard.ir.placement import Shard
 from autoshard.ir.program import comm_summary
 from autoshard.ir.redistribute import volume
 from autoshard.passes.cost import symbolize
 from autoshard.passes.chunk_loss import CHUNKED_LOSS
 from autoshard.passes.dump_fusion import chunked_loss_section, fusion_section, write_kernels
 from autoshard.passes.shapes import shape_of
+from autoshard.runtime.params import held_in_rank_order
 
 aten = torch.ops.aten
 
@@ -220,9 +220,9 @@ def write_plan(program, dump_dir):
     for p in program.params:
         L.append(f"| {p.name} | {p.spec!r} | {p.local_shape} | {p.global_shape} | {p.nbytes} |")
     L += ["", f"Parameter bytes on this rank: {sum(p.nbytes for p in program.params)}", ""]
-    rank_order = [p.name for p in program.params if isinstance(p.spec.tp, Shard) and p.spec.tp.unequal]
+    rank_order = [p.name for p in program.params if held_in_rank_order(p.spec.tp)]
     if rank_order:
-        L += ["Held in rank order (blocks of unequal size, which DTensor cannot describe): take these whole from "
+        L += ["Held in rank order (blocks of unequal size, or blocks this torch's DTensor cannot describe): take these whole from "
               "`pm.state_dict()` or `pm.full_state_dict()`, not `full_tensor()`: "
               + ", ".join(f"`{n}`" for n in rank_order), ""]
     if report is not None and report.attention:

@@ -10,20 +10,21 @@ space merge, as long as the group stays convex (no path leaves it and comes back
 leaves a lone GeLU (one read, one write either way) to eager.
 
 Each group becomes a ``kernels.launch.FusedGroup`` module in place of its nodes (torch's
-``fuse_as_graphmodule`` / ``insert_subgm`` do the graph surgery). Its backward is generated from the
-group's own vector-Jacobian product (``kernels/trace.py``). A group the generator cannot express is
+``fuse_as_graphmodule`` cuts the group out; ``_splice`` puts the kernel's call in its place). Its
+backward is generated from the group's own vector-Jacobian product (``kernels/trace.py``). A group the generator cannot express is
 left as it was, and ``plan.md`` says which op stopped it.
 """
 from __future__ import annotations
 
 import math
+import operator
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch.fx.passes.tools_common import stable_topological_sort
-from torch.fx.passes.utils.fuser_utils import erase_nodes, fuse_as_graphmodule, insert_subgm, validate_partition
+from torch.fx.passes.utils.fuser_utils import erase_nodes, fuse_as_graphmodule, validate_partition
 
 from autoshard.ir import meta as M
 from autoshard.ir.pipeline import STAGE_PLAN
@@ -267,6 +268,22 @@ def _record(built: _Built, name: str):
         bwd_fused, tuple(kernels))
 
 
+def _splice(gm: fx.GraphModule, built: _Built, name: str) -> fx.Node:
+    """Call the kernel module right after the group's last node and route each group output through a
+    ``getitem`` of that call. This is torch's ``insert_subgm`` with an insertion point, written here
+    because that helper is marked not backward compatible and its signature moved: torch 2.11 has no
+    insertion point and appends the call after the graph's output (the first real GPU run failed on it)."""
+    gm.add_submodule(name, built.module)
+    g = gm.graph
+    with g.inserting_after(built.nodes[-1]):
+        call = g.call_module(name, tuple(built.ins))
+    call.meta["val"] = tuple(_val(o) for o in built.outs)
+    with g.inserting_before(call.next):
+        for i, out in enumerate(built.outs):
+            out.replace_all_uses_with(g.call_function(operator.getitem, (call, i)), propagate_meta=True)
+    return call
+
+
 def fuse_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     enabled, why = _decide(ctx.options.fuse)
     report = FusionReport(enabled, why)
@@ -285,8 +302,7 @@ def fuse_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if built is None:
             continue
         report.groups.append(_record(built, name))
-        insert_subgm(gm, built.sub, built.ins, built.outs, built.nodes[-1])
-        call = next(c for c in gm.graph.nodes if c.op == "call_module" and c.target == name)
+        call = _splice(gm, built, name)
         region = M.RECOMPUTE.get(built.nodes[0], None)
         for item in call.users:           # the getitem that now carries each output
             renamed[built.outs[item.args[1]].name] = item.name
@@ -295,7 +311,6 @@ def fuse_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if region is not None:            # the kernel runs in (and again with) its layer's region
             M.RECOMPUTE.set(call, region)
         erase_nodes(gm, built.nodes)
-        setattr(gm, name, built.module)   # the GraphModule insert_subgm added gives way to the kernels
     if stages is not None:                # a cut at a fused output: the value now has the getitem's name
         stages.boundaries = [renamed.get(b, b) for b in stages.boundaries]
         stages.carried = [tuple(renamed.get(b, b) for b in names) for names in stages.carried]

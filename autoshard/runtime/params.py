@@ -7,7 +7,10 @@ compiler chose, so ``torch.nn.utils.clip_grad_norm_``, torch optimizers and
 - ``Shard(d)`` and ``Replicate()`` map to DTensor's own;
 - a blocked shard (a fused q|k|v cut per block) is ``_StridedShard(d, split_factor=blocks)``, whose
   local layout is exactly ours (rank r holds its chunk of every block), so ``full_tensor()`` is the
-  user's original weight;
+  user's original weight. That placement is private and its meaning moved between releases (torch 2.11
+  reads it as a shard order and cannot redistribute it on a 1-D mesh; 2.13 falls back to our reading),
+  so ``strided_shards_work`` asks the running torch once, and where it says no a blocked shard is held
+  in rank order like unequal blocks (below);
 - a shard of unequal blocks (a grouped-query q|k|v) has no DTensor placement: it is an even ``Shard(d)``
   of the blocks in rank order (``held_in_rank_order``), and only our ``gather`` / ``state_dict()``
   give the user's tensor;
@@ -48,16 +51,43 @@ def dtensor_placement(placement):
     return DReplicate()
 
 
+_STRIDED_WORKS: bool | None = None   # this process's torch, once asked (strided_shards_work)
+
+
+def strided_shards_work(mesh) -> bool:
+    """Whether this torch's DTensor takes ``_StridedShard(0, split_factor=2)`` on ``mesh`` as our blocked
+    layout: ``full_tensor()`` and a norm's reduction give the right values without raising. Asked once
+    per process, by every rank of ``mesh`` at the same point (a collective of a few elements)."""
+    global _STRIDED_WORKS
+    if _STRIDED_WORKS is None:
+        n, rank = mesh.size(), mesh.get_local_rank()
+        full = torch.arange(4 * n, dtype=torch.float32, device=mesh.device_type)
+        local = take_shard(full, 0, 4 * n, n, rank, 2).contiguous()
+        try:   # a refusal is raised while planning the redistribution, on every rank alike
+            dt = DTensor.from_local(local, mesh, [_StridedShard(0, split_factor=2)], run_check=False,
+                                    shape=full.shape, stride=(1,))
+            norm = torch.linalg.vector_norm(dt)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            _STRIDED_WORKS = bool(torch.equal(dt.full_tensor(), full)) and \
+                bool(torch.allclose(norm, torch.linalg.vector_norm(full)))
+        except (ValueError, RuntimeError, NotImplementedError, AssertionError):
+            _STRIDED_WORKS = False
+    return _STRIDED_WORKS
+
+
 def held_strided(placement) -> bool:
-    return isinstance(placement, Shard) and not placement.unequal and placement.blocks > 1
+    """A blocked shard shown to DTensor as ``_StridedShard`` (where this torch reads it as we do)."""
+    return isinstance(placement, Shard) and not placement.unequal and placement.blocks > 1 \
+        and _STRIDED_WORKS is not False
 
 
 def held_in_rank_order(placement) -> bool:
-    """A shard of unequal blocks (a grouped-query q|k|v): the DTensor's global tensor is every rank's
-    blocks in rank order, a permutation of the user's. Elementwise optimizers, gradient norms and
-    ZeRO-1 are indifferent to that; the true tensor comes from ``gather``, ``full_state_dict`` and
-    ``state_dict`` (``checkpoint_view``), not from ``full_tensor()``."""
-    return isinstance(placement, Shard) and placement.unequal
+    """A shard of unequal blocks (a grouped-query q|k|v), or any blocked shard where this torch's
+    ``_StridedShard`` is not ours: the DTensor's global tensor is every rank's blocks in rank order, a
+    permutation of the user's. Elementwise optimizers, gradient norms and ZeRO-1 are indifferent to
+    that; the true tensor comes from ``gather``, ``full_state_dict`` and ``state_dict``
+    (``checkpoint_view``), not from ``full_tensor()``."""
+    return isinstance(placement, Shard) and (placement.unequal or (placement.blocks > 1 and _STRIDED_WORKS is False))
 
 
 def _contiguous_stride(shape):
@@ -80,6 +110,8 @@ class ShardedParameters(nn.Module):
         self.names = {v: k for k, v in self.keys.items()}
         self.tp, self.mesh = tp_comm, tp_mesh
         self.shards = nn.ParameterDict()
+        if tp_mesh is not None and DTensor is not None:
+            strided_shards_work(tp_mesh)     # before any parameter is wrapped
         self._stored = self.shards._parameters   # the dict ParameterDict keeps them in (updated in place)
         full = dict(model.named_parameters(remove_duplicate=False))  # tied names too
         for r in records:
