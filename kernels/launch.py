@@ -76,6 +76,7 @@ class Kernel:
         # named by the plan alone: two groups with the same plan (every layer's) share one file
         self.name = self.module_name = f"autoshard_{plan.template}_{plan.key}"
         self.source, self.fn = "", None
+        self._shapes: dict = {}     # interpreter or not -> Launch: fixed by the plan, so computed once
         if plan.used:           # else every output is an input handed back: nothing to generate
             self.source = codegen.render(plan, self.name)
             self.fn = getattr(load_source(self.module_name, self.source), self.name)
@@ -88,7 +89,10 @@ class Kernel:
         device = next((inputs[i].device for i in plan.used if inputs[i].dim() > 0), inputs[plan.used[0]].device)
         inputs = [x.to(device) if isinstance(x, torch.Tensor) and x.dim() == 0 and x.device != device else x
                   for x in inputs]
-        shape = launch_shape(plan, interpreting() or device.type != "cuda")
+        interp = interpreting() or device.type != "cuda"
+        shape = self._shapes.get(interp)
+        if shape is None:
+            shape = self._shapes[interp] = launch_shape(plan, interp)
         outs, partials = [], []
         for o in plan.outputs:
             if o.kind == ALIAS:
