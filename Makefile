@@ -2,7 +2,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo demo-tp demo-pp test bench bench-pp bench-fusion gpu-check clean
+.PHONY: venv demo demo-tp demo-pp test bench bench-pp bench-fusion gpu-check gpu-session clean
 
 venv: $(VENV)/.installed
 
@@ -47,6 +47,10 @@ clean:
 # on a GPU machine: parity with the single-device model on CUDA and NCCL, 1 to 8 GPUs (benchmarks/gpu_check.py)
 gpu-check: venv
 	$(BIN)/python -m benchmarks.gpu_check
+
+# on a lent GPU machine with its own torch and no internet: every GPU check and benchmark, in one short run
+gpu-session:
+	bash benchmarks/gpu_session.sh
 
 # fusion: bytes per pattern everywhere; kernel timings against eager and torch.compile on a GPU
 bench-fusion: venv

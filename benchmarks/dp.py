@@ -29,6 +29,10 @@ from autoshard.runtime.comm import collective_device
 from benchmarks.pp import OUT, _batch, _gpt, _timed_step
 
 
+def _chunk_rows(text: str):
+    return None if text == "none" else text if text == "auto" else int(text)
+
+
 def _rank(rank, world, job):
     import autoshard
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -36,7 +40,8 @@ def _rank(rank, world, job):
     x, y = _batch(job["vocab"], job["batch"], job["seq"], seed=rank)   # this rank's own data
     mesh = autoshard.init_mesh(dp=world)
     pm = autoshard.parallelize(copy.deepcopy(model), mesh, (x, y), microbatches=1,
-                               fuse={"auto": "auto", "on": True, "off": False}[job["fuse"]])
+                               fuse={"auto": "auto", "on": True, "off": False}[job["fuse"]],
+                               loss_chunk_rows=_chunk_rows(job["loss_chunk_rows"]))
     if hasattr(pm, "bucket_bytes") and job["bucket_mb"] is not None:
         pm.bucket_bytes = int(job["bucket_mb"] * 2**20)
     if job["first_bucket_mb"] is not None:   # DDP's 1 MiB first bucket starts the all-reduce during backward
@@ -118,6 +123,8 @@ def main(argv=None):
                          "since overlap slows a CPU backward; 1 measures the overlap DDP gets)")
     ap.add_argument("--fuse", choices=["auto", "on", "off"], default="auto",
                     help="autoshard's generated Triton fusion (auto: on under NCCL on CUDA, as parallelize's default)")
+    ap.add_argument("--loss-chunk-rows", default="auto",
+                    help="parallelize's loss_chunk_rows: auto (chunk logits over 64 MiB), none, or rows per chunk")
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args(argv)
     job = {k: v for k, v in vars(args).items() if k not in ("dp", "out")}

@@ -66,6 +66,20 @@ def _cuda_ms(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def _host_ms(fn, iters: int) -> float:
+    """Median host time to issue ``fn`` (no synchronisation inside the timed span): where it nears the
+    CUDA-event time, the GPU waited on Python and the timing measures the launch path, not the kernel."""
+    import time
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def peak_bandwidth(device) -> float:
     """Bytes/s of a 1 GiB device-to-device ``copy_`` (read + write)."""
     x = torch.empty(2**28, dtype=torch.float32, device=device)
@@ -106,6 +120,7 @@ def bench_pattern(p, args, device, dtype, gpu: bool) -> dict:
         row["bwd_kernel_GBps"] = row["fused_bwd_bytes"] / row["bwd_kernel_ms"] / 1e6
     for name, f in (("eager", p.fn), ("fused", group), ("compile", compiled)):
         row[f"{name}_fwd_bwd_ms"] = _cuda_ms(train(f), args.iters)
+        row[f"{name}_host_ms"] = _host_ms(train(f), args.iters)
     return row
 
 
@@ -145,8 +160,9 @@ def _markdown(rows, layer, peak, gpu: bool) -> str:
     head = "| pattern | shape | dtype | fwd bytes eager -> fused | bwd bytes eager -> fused |"
     sep = "|---|---|---|---|---|"
     if gpu:
-        head += " fwd kernel GB/s (% peak) | bwd kernel GB/s (% peak) | eager ms | fused ms | compile ms |"
-        sep += "---|---|---|---|---|"
+        head += (" fwd kernel GB/s (% peak) | bwd kernel GB/s (% peak) | eager ms | fused ms | compile ms |"
+                 " host ms to issue, eager / fused |")
+        sep += "---|---|---|---|---|---|"
     L += [head, sep]
     for r in rows:
         line = (f"| {r['pattern']} | {r['shape']} | {r['dtype']} | {r['eager_fwd_bytes']} -> {r['fused_fwd_bytes']} | "
@@ -155,7 +171,8 @@ def _markdown(rows, layer, peak, gpu: bool) -> str:
             def pct(k):
                 return f"{r[k]:.0f} ({100 * r[k] * 1e9 / peak:.0f}%)" if k in r else "-"
             line += (f" {pct('fwd_kernel_GBps')} | {pct('bwd_kernel_GBps')} | {r['eager_fwd_bwd_ms']:.3f} | "
-                     f"{r['fused_fwd_bwd_ms']:.3f} | {r['compile_fwd_bwd_ms']:.3f} |")
+                     f"{r['fused_fwd_bwd_ms']:.3f} | {r['compile_fwd_bwd_ms']:.3f} | "
+                     f"{r['eager_host_ms']:.3f} / {r['fused_host_ms']:.3f} |")
         L.append(line)
     if layer:
         L += ["", "## GPT, 2 layers, forward + backward (ms)", "", "| " + " | ".join(layer) + " |",
@@ -180,6 +197,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--no-loss", action="store_true", help="skip the chunked-loss measurement")
+    ap.add_argument("--no-gpt", action="store_true", help="skip the two-layer GPT timing (its torch.compile "
+                    "takes minutes at the default sizes)")
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args(argv)
     gpu = torch.cuda.is_available()
@@ -193,28 +212,32 @@ def main(argv=None) -> dict:
               f"bwd {r['eager_bwd_bytes']:>12} -> {r['fused_bwd_bytes']:>12} B"
               + (f"   fused {r['fused_fwd_bwd_ms']:.3f} ms, eager {r['eager_fwd_bwd_ms']:.3f}, compile "
                  f"{r['compile_fwd_bwd_ms']:.3f}" if gpu else ""))
-    peak, layer = None, {}
-    if gpu:
-        from autoshard.launcher import launch
-        peak = peak_bandwidth(device)
-        job = {k: getattr(args, k) for k in ("rows", "seq", "hidden", "heads", "vocab", "iters")}
-        layer = launch(_gpt_layer_rank, 1, job)[0]
-        print("GPT 2 layers fwd+bwd ms:", layer)
-    else:
-        print("no GPU: byte counts only; the kernel timings need a GPU (python -m benchmarks.fusion there)")
+    peak, layer = (peak_bandwidth(device) if gpu else None), {}
     result = {"gpu": gpu, "peak_bytes_per_s": peak, "patterns": rows, "gpt": layer}
+    _write(args.out, rows, layer, peak, gpu, result)   # the patterns' table survives a run stopped below
+    if gpu and not args.no_gpt:
+        from autoshard.launcher import launch
+        job = {k: getattr(args, k) for k in ("rows", "seq", "hidden", "heads", "vocab", "iters")}
+        layer = result["gpt"] = launch(_gpt_layer_rank, 1, job)[0]
+        print("GPT 2 layers fwd+bwd ms:", layer)
+    elif not gpu:
+        print("no GPU: byte counts only; the kernel timings need a GPU (python -m benchmarks.fusion there)")
     if not args.no_loss:
         try:
             from benchmarks import chunked_loss
             result["chunked_loss"] = chunked_loss.main([])
         except ImportError:
             pass
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "fusion_results.md"), "w") as f:
-        f.write(_markdown(rows, layer, peak, gpu))
-    with open(os.path.join(args.out, "fusion_results.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    _write(args.out, rows, layer, peak, gpu, result)
     return result
+
+
+def _write(out, rows, layer, peak, gpu, result) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "fusion_results.md"), "w") as f:
+        f.write(_markdown(rows, layer, peak, gpu))
+    with open(os.path.join(out, "fusion_results.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Everything this project wants from a lent GPU machine, as one command that fits a short lease:
+#
+#     bash benchmarks/gpu_session.sh [OUTDIR]      # default benchmarks/results/gpu
+#
+# Runs on the machine's own python3 and torch (such machines have no internet: autoshard is installed
+# over them with --no-deps), each step under a timeout so that one slow step cannot eat the lease:
+#   1. gpu_check: parity with the single-device model on CUDA + NCCL with the compiled Triton kernels,
+#      for every mesh the GPUs allow (1 GPU: about 60 s);
+#   2. dp=1 against DDP on one GPU, with autoshard's fusion and chunked loss on and off (which of them
+#      costs the step time: the first H100 run measured 1.05x);
+#   3. the fusion patterns (eager / fused / torch.compile, each kernel's bandwidth, the host time to issue
+#      a call); the two-layer GPT timing only where time is left;
+#   4. with 2 or more GPUs: the pipeline against torch.distributed.pipelining (issue 8's 0.95x target)
+#      and data parallel against DDP at dp = 1, 2 (, 4) with the overlap share (issue 9).
+# Everything lands in OUTDIR as .md and .log files, and in OUTDIR.tgz beside it (one file to bring back
+# from a machine that returns few); the summary is printed last.
+set -o pipefail
+OUT=${1:-benchmarks/results/gpu}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+"$PY" -c "import autoshard.passes" 2>/dev/null ||
+    "$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+"$PY" -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '|',
+           torch.cuda.device_count(), 'x', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" |
+    tee "$OUT/session.md"
+[ "$GPUS" -ge 1 ] || { echo "gpu_session: no CUDA device here"; exit 2; }
+
+echo "== gpu_check"
+timeout $((90 + 60 * GPUS)) "$PY" -m benchmarks.gpu_check --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log" |
+    grep -E "^  (pass|FAIL)|tracebacks"
+
+DP="--steps 10 --hidden 1024 --layers 8 --seq 512 --batch 8 --vocab 32000"
+{ echo; echo "## dp=1 against DDP ($DP)"; echo; echo "| fuse | loss chunks | autoshard ms | DDP ms | ratio |"
+  echo "|---|---|---|---|---|"; } >> "$OUT/session.md"
+for v in "auto auto" "off auto" "off none"; do
+    set -- $v
+    echo "== dp=1, fuse=$1, loss_chunk_rows=$2"
+    timeout 60 "$PY" -m benchmarks.dp --dp 1 $DP --fuse "$1" --loss-chunk-rows "$2" --out "$OUT/dp_tmp" \
+        > "$OUT/dp_$1_$2.log" 2>&1
+    row=$(grep -E "^\| 1 \|" "$OUT/dp_$1_$2.log" | head -1 | cut -d'|' -f3-5)
+    echo "| $1 | $2 |$row |" | tee -a "$OUT/session.md"
+done
+rm -rf "$OUT/dp_tmp"
+
+echo "== fusion patterns"
+timeout 150 "$PY" -m benchmarks.fusion --iters 20 --no-loss --no-gpt --out "$OUT" > "$OUT/fusion.log" 2>&1
+grep -E "^ *[a-z_]+: fwd" "$OUT/fusion.log"
+
+if [ "$GPUS" -ge 2 ]; then
+    echo "== pipeline against torch.distributed.pipelining"
+    timeout 300 "$PY" -m benchmarks.pp --only torch --out "$OUT" > "$OUT/pp.log" 2>&1; tail -15 "$OUT/pp.log"
+    echo "== data parallel against DDP"
+    SIZES="1 2"; [ "$GPUS" -ge 4 ] && SIZES="1 2 4"
+    timeout 240 "$PY" -m benchmarks.dp --dp $SIZES $DP --out "$OUT" > "$OUT/dp.log" 2>&1; tail -8 "$OUT/dp.log"
+fi
+echo; echo "== summary ($OUT)"; cat "$OUT/session.md"; grep -E "^\| [0-9]" "$OUT/gpu_check.md" 2>/dev/null
+tar -czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "(all of it: $OUT.tgz)"
