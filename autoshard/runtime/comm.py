@@ -78,7 +78,7 @@ class AxisComm:
         self._log("all_gather", x.numel() * self.size, x.element_size(), phase)
         if dim == 0:
             out = x.new_empty((self.size * x.shape[0],) + tuple(x.shape[1:]))
-            dist.all_gather_single(out, x, group=self.group)
+            _all_gather_single(out, x, group=self.group)
             return out
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x, group=self.group)
@@ -94,6 +94,11 @@ class AxisComm:
         out = torch.empty_like(chunks[self.rank])
         dist.reduce_scatter(out, chunks, group=self.group)
         return out
+
+
+# one tensor in, one out: ``all_gather_single`` from torch 2.13, ``all_gather_into_tensor`` before (2.13
+# deprecates that name, and the lent GPU machines run 2.11)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def comms_for_mesh(device_mesh, spec, rank: int) -> dict:
