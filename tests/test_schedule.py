@@ -242,3 +242,48 @@ def test_a_short_batch_runs_the_most_microbatches_that_fit_or_says_why_none_does
     assert _fitting_microbatches(inter, 2, *rows(6)).microbatches == 2
     with pytest.raises(ValueError, match=r"3 rows cannot run schedule='interleaved' at pp=2.*drop_last=True.*4 rows"):
         _fitting_microbatches(inter, 2, *rows(3))
+
+
+def test_step_clock_times_gpu_work_from_events_read_only_when_asked():
+    """On a GPU the executor's marks are CUDA events (a host clock would time when Python issued each
+    action): here a stand-in event with a settable clock. Nothing is synchronised until the timeline is
+    read; spans, the step time and the busy time (compute only, not a receive's wait) come from the events."""
+    import torch
+
+    from autoshard.ir.schedule import Action, Kind
+    from autoshard.ir.simulator import Span
+    from autoshard.runtime.clock import Recorded, StepClock
+
+    class Event:
+        now, made = 0.0, []
+
+        def __init__(self):
+            self.t, self.synced = None, False
+            Event.made.append(self)
+
+        def record(self):
+            self.t = Event.now
+
+        def synchronize(self):
+            self.synced = True
+
+        def elapsed_time(self, later):
+            return (later.t - self.t) * 1e3
+
+    def at(t):
+        Event.now = t
+        return clock.mark()
+
+    Event.now = 10.0
+    clock = StepClock(torch.device("cpu"), event=Event)
+    rec = Recorded("1f1b", 2, 1, clock)
+    rec.spans.append(Span(Action(1, Kind.RECV_F, 0), at(10.0), at(10.5)))   # waiting for stage 0
+    rec.spans.append(Span(Action(1, Kind.F, 0), at(10.5), at(11.25)))
+    rec.spans.append(Span(Action(1, Kind.B, 0), at(11.25), at(12.0)))
+    rec.end = at(12.5)
+    assert not any(e.synced for e in Event.made)
+    tl = rec.timeline()
+    assert [(s.start, s.end) for s in tl.spans[1]] == [(0.0, 0.5), (0.5, 1.25), (1.25, 2.0)]
+    assert tl.step_time == 2.5 and tl.busy[1] == 1.5
+    host = StepClock(torch.device("cpu"))     # on the CPU a mark is already seconds
+    assert isinstance(host.mark(), float) and host.seconds(0.25) == 0.25

@@ -18,7 +18,6 @@ this rank, naming the peer, so every rank exits with an error within the timeout
 """
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +26,7 @@ import torch.nn as nn
 
 from autoshard.ir.schedule import Action, Kind
 from autoshard.ir.simulator import Span, Timeline
+from autoshard.runtime.clock import Recorded, StepClock
 
 if TYPE_CHECKING:
     from autoshard.runtime.pipeline import PipelineModule
@@ -114,9 +114,9 @@ class Run:
                 self.last_backward[a.stage] = a
         self.param_storages = {t.untyped_storage().data_ptr() for t in self.leaves.values()} \
             if pm.measure_memory else set()
-        self.spans, self.busy = [], 0.0
         self.held = self.peak = 0
-        self.start = time.perf_counter()
+        self.clock = StepClock(self.device)
+        self.record = Recorded(self.sched.name, self.sched.pp, self.me, self.clock)
 
     # transfers ----------------------------------------------------------------------------------------
     def _peer(self, a: Action) -> int:
@@ -171,7 +171,7 @@ class Run:
             ok = work.wait(self.pm.timeout)
         except Exception as e:  # noqa: BLE001 - name the peer, whatever the backend raised
             raise PipelineError(f"pipeline rank {self.me}: {a} (with global rank {peer}) failed after "
-                                f"{time.perf_counter() - self.start:.1f} s: {type(e).__name__}: "
+                                f"{self.clock.host_seconds():.1f} s: {type(e).__name__}: "
                                 f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. Rank {peer} probably "
                                 "raised or died: see its error") from e
         if ok is False:
@@ -182,9 +182,9 @@ class Run:
         value = self.inbox.pop(key)
         if isinstance(value, tuple):
             a, work, tensor = value
-            t0 = time.perf_counter() - self.start
+            t0 = self.clock.mark()
             self._wait(a, work)
-            self.spans.append(Span(a, t0, time.perf_counter() - self.start))
+            self.record.spans.append(Span(a, t0, self.clock.mark()))
             return tensor
         return value
 
@@ -194,7 +194,7 @@ class Run:
         x = None
         if a.stage > 0:
             x = self._take(("F", a.stage, a.microbatch)).detach().requires_grad_(not self.forward_only)
-        t0 = time.perf_counter() - self.start
+        t0 = self.clock.mark()
         graph = self.pm.graphs[str(a.stage)]
         if a.stage not in self.param_inputs:   # once per step: the same local leaves feed every microbatch
             self.param_inputs[a.stage] = self.pm.params.local_inputs(chunk.params, self.leaves)
@@ -226,7 +226,7 @@ class Run:
             self.reducer.arm(a.stage)
         if chunk.last:     # seed with 1 / (the global batch's count): the loss is the global mean
             grad = self.denominator.reciprocal(out.dtype)
-        t0 = time.perf_counter() - self.start
+        t0 = self.clock.mark()
         if out.requires_grad:     # not when every parameter of a first stage is frozen: nothing to do
             torch.autograd.backward(out, grad)
         self.held -= nbytes
@@ -238,10 +238,8 @@ class Run:
         del x, out
         self._done(a, t0)
 
-    def _done(self, a: Action, t0: float) -> None:
-        t1 = time.perf_counter() - self.start
-        self.spans.append(Span(a, t0, t1))
-        self.busy += t1 - t0
+    def _done(self, a: Action, t0) -> None:
+        self.record.spans.append(Span(a, t0, self.clock.mark()))
 
     def execute(self, actions: list) -> None:
         """Walk the actions. Every receive of the step is posted up front (its buffer's shape is known
@@ -276,10 +274,13 @@ class Run:
         if self.denominator is not None:
             self.loss = self.loss / self.denominator.value()
 
+    def recorded(self) -> Recorded:
+        """The step's marks (``Recorded.timeline()`` reads them: on a GPU that waits for the step's work)."""
+        self.record.end, self.record.peak = self.clock.mark(), self.peak
+        return self.record
+
     def timeline(self) -> Timeline:
-        end = time.perf_counter() - self.start
-        return Timeline(self.sched.name, self.sched.pp, {self.me: self.spans}, end, {self.me: self.busy},
-                        {self.me: self.peak})
+        return self.recorded().timeline()
 
 
 def _backend() -> str:

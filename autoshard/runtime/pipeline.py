@@ -91,7 +91,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
                            for i in c.inputs if i.kind == "buffer" and i.name in constants
                            and i.name not in self._buffers_by_name}
         self.graphs = nn.ModuleDict({str(c.index): bind(c.gm, self.comms, self.device) for c in program.own})
-        self.last_timeline: Timeline | None = None
+        self._recorded = None                # the last step's action marks (Recorded); read by last_timeline
         out = dump_dir(program.options.dump)
         self._dump = (out if program.rank == 0 else f"{out}/rank{program.rank}") if out else None
         self._steps = 0
@@ -237,7 +237,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         self.params.accumulate_step_grads(run.leaves)
         self._sum_tied_grads(saved_tied)       # after the dp sum: both are complete sums, in either order
         loss = self._global_loss(run)
-        self.last_timeline = run.timeline()
+        self._recorded = run.recorded()      # turned into times only when asked: on a GPU that waits for the step
         self._steps += 1
         if self._dump and self._steps <= 2:   # the first step warms up; the second is drawn over it
             self._dump_measured()
@@ -384,6 +384,14 @@ class PipelineModule(training.TrainingMethods, nn.Module):
             if main in out:
                 out[alias] = out[main]
         return out
+
+    @property
+    def last_timeline(self) -> Timeline | None:
+        """This rank's timeline of the last ``step``: when each of its actions ran, from the clock that saw
+        it run (CUDA events on a GPU, so reading it waits for that step's work)."""
+        if self._recorded is not None and not isinstance(self._recorded, Timeline):
+            self._recorded = self._recorded.timeline()
+        return self._recorded
 
     def measured_timeline(self) -> Timeline:
         """The last step's timeline over every pp rank (a collective over pp): what the dump draws."""
