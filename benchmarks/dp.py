@@ -29,6 +29,11 @@ from autoshard.runtime.comm import collective_device
 from benchmarks.pp import OUT, _batch, _gpt, _timed_step
 
 
+def _sync():
+    if collective_device().type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _chunk_rows(text: str):
     return None if text == "none" else text if text == "auto" else int(text)
 
@@ -80,8 +85,10 @@ def _rank(rank, world, job):
                 grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in pm.parameters()]
                 flat = torch.cat([g.reshape(-1) for g in grads])
                 dist.barrier()
+                _sync()
                 start = time.perf_counter()
                 dist.all_reduce(flat)
+                _sync()                   # NCCL returns before the GPU has reduced anything
                 alone = time.perf_counter() - start
                 hidden.append(max(0.0, 1 - blocked / alone) if alone > 0 else 0.0)
         clear()

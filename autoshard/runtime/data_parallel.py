@@ -22,10 +22,11 @@ all-reduce needs no packing copies.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
+
+from autoshard.runtime.clock import StepClock
 
 # DDP's sizes: 25 MiB buckets, few enough that each all-reduce's fixed cost is paid rarely; on a GPU the
 # first bucket (the last layers' gradients, ready first) is 1 MiB so that communication starts early.
@@ -58,7 +59,7 @@ class GradReducer:
     first_bucket_bytes: int | None = None  # None: DEFAULT_FIRST_BUCKET_BYTES on CUDA, bucket_bytes on CPU
     buckets: list = field(default_factory=list)
     armed: set = field(default_factory=set)
-    comm_seconds: float = 0.0             # time spent blocked on the all-reduces at the end (not hidden)
+    waited: tuple | None = None           # (clock, start, end) of the last step's wait for the all-reduces
 
     def __post_init__(self):
         self._next, self._of = 0, {}
@@ -142,7 +143,8 @@ class GradReducer:
         for b in self.buckets[self._next:]:
             b.pending = 0
         self._launch_ready()
-        start = time.perf_counter()
+        clock = StepClock(next(iter(self.leaves.values())).device)
+        start = clock.mark()
         for b in self.buckets:
             if b.work is None:
                 continue
@@ -153,7 +155,16 @@ class GradReducer:
                                    f"this rank {self.comm.rank} in it) failed: {type(e).__name__}: "
                                    f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}. A dp peer probably "
                                    "raised or died: see its error") from e
-        self.comm_seconds = time.perf_counter() - start
+        self.waited = (clock, start, clock.mark())
+
+    def waited_seconds(self) -> float:
+        """How long the last step's end waited for its all-reduces (the communication backward did not
+        hide): host time on the CPU; on a GPU the compute stream's wait, read from CUDA events (NCCL's
+        ``wait`` returns at once on the host, so a host clock would always say 0)."""
+        if self.waited is None:
+            return 0.0
+        clock, start, end = self.waited
+        return clock.seconds(end) - clock.seconds(start)
 
     def close(self) -> None:
         for h in self._hooks:

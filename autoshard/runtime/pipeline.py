@@ -95,7 +95,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         out = dump_dir(program.options.dump)
         self._dump = (out if program.rank == 0 else f"{out}/rank{program.rank}") if out else None
         self._steps = 0
-        self.last_dp_wait = 0.0              # seconds the last step blocked on dp all-reduces after backward
+        self._dp_reducer = None              # the last step's dp reducer (last_dp_wait reads its wait)
         self.zero = getattr(program.options.pipeline, "zero", 0)
         self.bucket_bytes = DEFAULT_BUCKET_BYTES   # dp gradient buckets (DDP's bucket_cap_mb)
         self.first_bucket_bytes = None             # None: 1 MiB on CUDA, as the others on CPU (data_parallel.py)
@@ -233,7 +233,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
             raise
         if run.reducer is not None:
             run.reducer.finish()                 # the dp sums, overlapped with the last backward
-            self.last_dp_wait = run.reducer.comm_seconds
+            self._dp_reducer = run.reducer
         self.params.accumulate_step_grads(run.leaves)
         self._sum_tied_grads(saved_tied)       # after the dp sum: both are complete sums, in either order
         loss = self._global_loss(run)
@@ -384,6 +384,11 @@ class PipelineModule(training.TrainingMethods, nn.Module):
             if main in out:
                 out[alias] = out[main]
         return out
+
+    @property
+    def last_dp_wait(self) -> float:
+        """Seconds the last step's end waited for its dp all-reduces (what backward did not hide)."""
+        return self._dp_reducer.waited_seconds() if self._dp_reducer is not None else 0.0
 
     @property
     def last_timeline(self) -> Timeline | None:
