@@ -242,6 +242,15 @@ def _torch_rank(rank, world, job):
                 times[name].append(t)
         for p in list(pm.parameters()) + theirs_params + list(balanced.parameters()):
             p.grad = None
+    if collective_device().type == "cuda":   # the allocator's peak over one step: weights, grads, transfers too
+        for name, fn in (("autoshard", ours), ("torch", theirs)):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            fn()
+            torch.cuda.synchronize()
+            mem[f"{name} allocated"] = (None, torch.cuda.max_memory_allocated())
+        for p in list(pm.parameters()) + theirs_params:
+            p.grad = None
     peak = {k: torch.tensor([float(v[1])], device=collective_device()) for k, v in mem.items()}
     for t in peak.values():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -250,7 +259,9 @@ def _torch_rank(rank, world, job):
                 balanced_layers=[list(c.layers) for c in balanced.program.plan.costs],
                 ours=statistics.median(times["autoshard"]), theirs=statistics.median(times["torch"]),
                 ours_min=min(times["autoshard"]), theirs_min=min(times["torch"]),
-                ours_peak=float(peak["autoshard"]), theirs_peak=float(peak["torch"]))
+                ours_peak=float(peak["autoshard"]), theirs_peak=float(peak["torch"]),
+                ours_allocated=float(peak["autoshard allocated"]) if "autoshard allocated" in peak else None,
+                theirs_allocated=float(peak["torch allocated"]) if "torch allocated" in peak else None)
 
 
 def versus_torch(args) -> list:
@@ -326,13 +337,15 @@ def markdown(res: dict) -> str:
     if res.get("torch"):
         L += ["", "## Against torch.distributed.pipelining (same model, weights, cuts; interleaved timing)", "",
               "| p | v | m | loss (ours / torch) | autoshard ms (torch's cuts) | torch ms | ratio (median) | ratio (min) | "
-              "autoshard ms (its own cuts) | ratio | peak saved MiB ours / torch |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "autoshard ms (its own cuts) | ratio | peak saved MiB ours / torch | GPU peak allocated MiB ours / torch |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["torch"]:
             L.append(f"| {r['pp']} | {r['v']} | {r['m']} | {r['loss']:.6f} / {r['torch_loss']:.6f} | "
                      f"{r['ours'] * 1e3:.1f} | {r['theirs'] * 1e3:.1f} | {r['ratio']:.3f} | "
                      f"{r['ours_min'] / r['theirs_min']:.3f} | {r['balanced'] * 1e3:.1f} {r['balanced_layers']} | "
-                     f"{r['balanced_ratio']:.3f} | {r['ours_peak'] / 2**20:.2f} / {r['theirs_peak'] / 2**20:.2f} |")
+                     f"{r['balanced_ratio']:.3f} | {r['ours_peak'] / 2**20:.2f} / {r['theirs_peak'] / 2**20:.2f} | "
+                     + (f"{r['ours_allocated'] / 2**20:.1f} / {r['theirs_allocated'] / 2**20:.1f} |"
+                        if r.get("ours_allocated") is not None else "- (CPU) |"))
     if res.get("balance"):
         L += ["", "## Balanced vs uniform cuts (vocab 50304, 8 layers, m=8; p=4 runs 4 ranks on 2 cores)", "",
               "| cuts | layers per stage | predicted ms | simulated from measured stage times ms | measured ms |",
