@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Everything this project wants from a lent GPU machine, as one command that fits a short lease:
 #
-#     bash benchmarks/gpu_session.sh [OUTDIR]      # default benchmarks/results/gpu
+#     bash benchmarks/gpu_session.sh [OUTDIR [BACK]]   # OUTDIR: default benchmarks/results/gpu
+#
+# BACK (for a machine that returns only a few files, such as the device tool's $OUT): the .tgz of
+# OUTDIR and its three summaries (session.md, gpu_check.md, fusion_results.md) are copied there:
+#     bash benchmarks/gpu_session.sh /tmp/gpu "$OUT"
 #
 # Runs on the machine's own python3 and torch (such machines have no internet: autoshard is installed
 # over them with --no-deps), each step under a timeout so that one slow step cannot eat the lease:
@@ -17,6 +21,8 @@
 # from a machine that returns few); the summary is printed last.
 set -o pipefail
 OUT=${1:-benchmarks/results/gpu}
+OUT=${OUT%/}
+BACK=${2:-}      # read now: the loop below resets the positional arguments
 PY=${PY:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -58,3 +64,8 @@ if [ "$GPUS" -ge 2 ]; then
 fi
 echo; echo "== summary ($OUT)"; cat "$OUT/session.md"; grep -E "^\| [0-9]" "$OUT/gpu_check.md" 2>/dev/null
 tar -czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "(all of it: $OUT.tgz)"
+if [ -n "$BACK" ]; then
+    mkdir -p "$BACK" && cp "$OUT.tgz" "$BACK/" && for f in session.md gpu_check.md fusion_results.md; do
+        [ -f "$OUT/$f" ] && cp "$OUT/$f" "$BACK/"; done
+    echo "(copied to $BACK)"
+fi
