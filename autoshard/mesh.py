@@ -59,9 +59,12 @@ def _bounded_axes() -> dict | None:
             }.get(backend)
     if make is None:
         return None
-    opts = make()
-    opts._timeout = group_timeout()
-    return {axis: (backend, opts) for axis in AXES}
+    out = {}
+    for axis in AXES:    # one options object each: new_group writes the group's ranks and name into it
+        opts = make()
+        opts._timeout = group_timeout()
+        out[axis] = (backend, opts)
+    return out
 
 
 def mesh_spec(mesh) -> MeshSpec:

@@ -118,6 +118,7 @@ def main(argv=None) -> int:
         gpus, device = 8, "CPU ranks"
     worlds = args.world or [w for w in CONFIGS if w <= gpus]
     rows, tracebacks = [], []
+    text = markdown(rows, args.backend, device)
     for world in worlds:
         if world not in CONFIGS:
             raise SystemExit(f"--world takes {sorted(CONFIGS)}, got {world}")
@@ -125,13 +126,14 @@ def main(argv=None) -> int:
             rows.append((world, config, verdict))
             ok = not isinstance(verdict, str) and verdict[3]
             print(f"  {'pass' if ok else 'FAIL'}  {config[1]} {config[2]} {config[0]}: {verdict}", flush=True)
-    text = markdown(rows, args.backend, device)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_check.md"), "w") as f:
-        f.write(text)
+        text = markdown(rows, args.backend, device)     # after each rank count: a run stopped later keeps it
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "gpu_check.md"), "w") as f:
+            f.write(text)
+        if tracebacks:
+            with open(os.path.join(args.out, "gpu_check_errors.log"), "w") as f:
+                f.write("\n".join(tracebacks))
     if tracebacks:
-        with open(os.path.join(args.out, "gpu_check_errors.log"), "w") as f:
-            f.write("\n".join(tracebacks))
         print(f"gpu_check: the ranks' tracebacks are in {os.path.join(args.out, 'gpu_check_errors.log')}")
     print(text)
     return 0 if all(not isinstance(v, str) and v[3] for _, _, v in rows) else 1

@@ -10,7 +10,7 @@
 # Runs on the machine's own python3 and torch (such machines have no internet: autoshard is installed
 # over them with --no-deps), each step under a timeout so that one slow step cannot eat the lease:
 #   1. gpu_check: parity with the single-device model on CUDA + NCCL with the compiled Triton kernels,
-#      for every mesh the GPUs allow (1 GPU: about 60 s);
+#      for every mesh the GPUs allow (1 GPU: about 60 s; the table is written after each rank count);
 #   2. dp=1 against DDP on one GPU, with autoshard's fusion and chunked loss on and off (which of them
 #      costs the step time: the first H100 run measured 1.05x);
 #   3. the fusion patterns (eager / fused / torch.compile, each kernel's bandwidth, the host time to issue
@@ -35,7 +35,7 @@ GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 [ "$GPUS" -ge 1 ] || { echo "gpu_session: no CUDA device here"; exit 2; }
 
 echo "== gpu_check"
-timeout $((90 + 60 * GPUS)) "$PY" -m benchmarks.gpu_check --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log" |
+timeout $((120 + 90 * GPUS)) "$PY" -m benchmarks.gpu_check --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log" |
     grep -E "^  (pass|FAIL)|tracebacks"
 
 DP="--steps 10 --hidden 1024 --layers 8 --seq 512 --batch 8 --vocab 32000"

@@ -186,6 +186,12 @@ def bubbles(args) -> list:
     return rows
 
 
+def loss_rtol() -> float:
+    """How close the two sides' losses must be before they are timed: fp32 on the CPU agrees to 1e-5; on a
+    GPU the kernels (cuBLAS, the generated ones, the chunked loss) sum in other orders (gpu_check's 1e-4)."""
+    return 1e-4 if collective_device().type == "cuda" else 1e-5
+
+
 # --- 2: torch.distributed.pipelining -------------------------------------------------------------------
 def _torch_rank(rank, world, job):
     import autoshard
@@ -232,7 +238,7 @@ def _torch_rank(rank, world, job):
     mem["torch"] = (loss, counter.peak)
     for p in list(pm.parameters()) + theirs_params:
         p.grad = None
-    if abs(mem["autoshard"][0] - mem["torch"][0]) > 1e-5 * abs(mem["torch"][0]):
+    if abs(mem["autoshard"][0] - mem["torch"][0]) > loss_rtol() * abs(mem["torch"][0]):
         raise RuntimeError(f"losses differ: autoshard {mem['autoshard'][0]} vs torch {mem['torch'][0]}")
     times = {"autoshard": [], "torch": [], "balanced": []}
     for step in range(job["warmup"] + job["steps"]):
@@ -243,12 +249,13 @@ def _torch_rank(rank, world, job):
         for p in list(pm.parameters()) + theirs_params + list(balanced.parameters()):
             p.grad = None
     if collective_device().type == "cuda":   # the allocator's peak over one step: weights, grads, transfers too
-        for name, fn in (("autoshard", ours), ("torch", theirs)):
-            torch.cuda.synchronize()
+        for name, fn in (("autoshard", ours), ("torch", theirs)):   # above what is resident before the step:
+            torch.cuda.synchronize()                                  # every copy of the model this job holds
             torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
             fn()
             torch.cuda.synchronize()
-            mem[f"{name} allocated"] = (None, torch.cuda.max_memory_allocated())
+            mem[f"{name} allocated"] = (None, torch.cuda.max_memory_allocated() - base)
         for p in list(pm.parameters()) + theirs_params:
             p.grad = None
     peak = {k: torch.tensor([float(v[1])], device=collective_device()) for k, v in mem.items()}
@@ -337,7 +344,7 @@ def markdown(res: dict) -> str:
     if res.get("torch"):
         L += ["", "## Against torch.distributed.pipelining (same model, weights, cuts; interleaved timing)", "",
               "| p | v | m | loss (ours / torch) | autoshard ms (torch's cuts) | torch ms | ratio (median) | ratio (min) | "
-              "autoshard ms (its own cuts) | ratio | peak saved MiB ours / torch | GPU peak allocated MiB ours / torch |",
+              "autoshard ms (its own cuts) | ratio | peak saved MiB ours / torch | GPU step peak above resident MiB ours / torch |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in res["torch"]:
             L.append(f"| {r['pp']} | {r['v']} | {r['m']} | {r['loss']:.6f} / {r['torch_loss']:.6f} | "

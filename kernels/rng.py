@@ -33,9 +33,9 @@ def _mul32(a: int, b: torch.Tensor) -> tuple:
     return high & _M32, low
 
 
-def philox_uniform(seed: int, numel: int, device) -> torch.Tensor:
+def philox_uniform(seed, numel: int, device) -> torch.Tensor:
     """``tl.rand(seed, offset)`` for ``offset = 0 .. numel - 1`` (Triton's Philox4x32-10 and its uint to
-    float conversion), computed in int64 torch ops."""
+    float conversion), computed in int64 torch ops. ``seed``: an int, or a 0-d int64 tensor on ``device``."""
     offset = torch.arange(numel, dtype=torch.int64, device=device)
     c0, c1 = offset & _M32, offset >> 32
     c2 = c3 = torch.zeros_like(offset)
@@ -58,7 +58,8 @@ def dropout_keep(seed: torch.Tensor, shape: list[int], p: float, stream: int) ->
         n *= s
     if p >= 1.0:                       # torch's dropout(p=1) zeroes everything
         return torch.zeros(shape, device=seed.device)
-    keep = philox_uniform(int(seed) + stream, n, seed.device).view(shape) >= p
+    # the seed stays a tensor on its device: int(seed) would make the host wait for the GPU at every dropout
+    keep = philox_uniform(seed.to(torch.int64).reshape(()) + stream, n, seed.device).view(shape) >= p
     return keep.to(torch.float32) / (1.0 - p)
 
 

@@ -157,7 +157,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                                "with loss_chunk_rows=None for that")
         ctx.spent = True
         saved = list(ctx.saved_tensors)
-        one = bool(g == 1)       # loss.backward(): the gradients are ready, handed over without a copy
+        # loss.backward() on the CPU: the gradients are ready, handed over without a copy. On a GPU the test
+        # would make the host wait for the whole forward, so there they are always scaled
+        one = g.device.type == "cpu" and bool(g == 1)
         dh = dw = db = None
         if ctx.has[0]:
             dh = saved.pop(0)

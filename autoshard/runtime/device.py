@@ -34,7 +34,9 @@ def to_device(tree, device: torch.device | None):
     """``tree`` with every tensor on ``device`` (those already there are not copied)."""
     if device is None:
         return tree
-    return pytree.tree_map_only(torch.Tensor, lambda x: x if x.device == device else x.to(device), tree)
+    # a pinned batch (DataLoader(pin_memory=True)) is copied without making the host wait for the GPU
+    return pytree.tree_map_only(
+        torch.Tensor, lambda x: x if x.device == device else x.to(device, non_blocking=x.is_pinned()), tree)
 
 
 def owned(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:

@@ -116,6 +116,7 @@ class Run:
             if pm.measure_memory else set()
         self.held = self.peak = 0
         self.clock = StepClock(self.device)
+        self.stream_waits = _backend() == "nccl"
         self.record = Recorded(self.sched.name, self.sched.pp, self.me, self.clock)
 
     # transfers ----------------------------------------------------------------------------------------
@@ -168,7 +169,10 @@ class Run:
     def _wait(self, a: Action, work) -> None:
         peer = self.pm.peers[self._peer(a)]
         try:
-            ok = work.wait(self.pm.timeout)
+            # NCCL: wait() with a timeout blocks the host, polling every millisecond, where without one it
+            # only makes the compute stream wait; there the group's own timeout (AUTOSHARD_TIMEOUT, which
+            # NCCL's watchdog enforces by aborting the process with an error) bounds a dead peer instead
+            ok = work.wait() if self.stream_waits else work.wait(self.pm.timeout)
         except Exception as e:  # noqa: BLE001 - name the peer, whatever the backend raised
             raise PipelineError(f"pipeline rank {self.me}: {a} (with global rank {peer}) failed after "
                                 f"{self.clock.host_seconds():.1f} s: {type(e).__name__}: "
