@@ -4,7 +4,8 @@
 #     bash benchmarks/gpu_session.sh [OUTDIR [BACK]]   # OUTDIR: default benchmarks/results/gpu
 #
 # BACK (for a machine that returns only a few files, such as the device tool's $OUT): the .tgz of
-# OUTDIR and its three summaries (session.md, gpu_check.md, fusion_results.md) are copied there:
+# OUTDIR and its summaries (session.md, gpu_check.md, chunked_loss_results.md, fusion_results.md) are
+# copied there:
 #     bash benchmarks/gpu_session.sh /tmp/gpu "$OUT"
 #
 # Runs on the machine's own python3 and torch (such machines have no internet: autoshard is installed
@@ -13,9 +14,11 @@
 #      for every mesh the GPUs allow (1 GPU: about 60 s; the table is written after each rank count);
 #   2. dp=1 against DDP on one GPU, with autoshard's fusion and chunked loss on and off (which of them
 #      costs the step time: the first H100 run measured 1.05x);
-#   3. the fusion patterns (eager / fused / torch.compile, each kernel's bandwidth, the host time to issue
-#      a call); the two-layer GPT timing only where time is left;
-#   4. with 2 or more GPUs: the pipeline against torch.distributed.pipelining (issue 8's 0.95x target)
+#   3. the chunked LM head + loss against the unchunked one at the dp runs' sizes;
+#   4. the fusion patterns (eager / fused / torch.compile, each kernel's bandwidth, the host time to issue
+#      a call); the two-layer GPT timing is left out (its torch.compile takes minutes: run
+#      `python -m benchmarks.fusion` alone for it);
+#   5. with 2 or more GPUs: the pipeline against torch.distributed.pipelining (issue 8's 0.95x target)
 #      and data parallel against DDP at dp = 1, 2 (, 4) with the overlap share (issue 9).
 # Everything lands in OUTDIR as .md and .log files, and in OUTDIR.tgz beside it (one file to bring back
 # from a machine that returns few); the summary is printed last.
@@ -51,6 +54,10 @@ for v in "auto auto" "off auto" "off none"; do
 done
 rm -rf "$OUT/dp_tmp"
 
+echo "== chunked LM head + loss against unchunked (the dp=1 suspect), V=32000 H=1024 as the dp runs"
+timeout 90 "$PY" -m benchmarks.chunked_loss --rows 4096 --vocab 32000 --hidden 1024 --chunk auto 1024 4096 \
+    --reps 5 --out "$OUT" > "$OUT/chunked_loss.log" 2>&1; grep -E "^\|" "$OUT/chunked_loss_results.md" 2>/dev/null | head -8
+
 echo "== fusion patterns"
 timeout 150 "$PY" -m benchmarks.fusion --iters 20 --no-loss --no-gpt --out "$OUT" > "$OUT/fusion.log" 2>&1
 grep -E "^ *[a-z_]+: fwd" "$OUT/fusion.log"
@@ -65,7 +72,7 @@ fi
 echo; echo "== summary ($OUT)"; cat "$OUT/session.md"; grep -E "^\| [0-9]" "$OUT/gpu_check.md" 2>/dev/null
 tar -czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "(all of it: $OUT.tgz)"
 if [ -n "$BACK" ]; then
-    mkdir -p "$BACK" && cp "$OUT.tgz" "$BACK/" && for f in session.md gpu_check.md fusion_results.md; do
+    mkdir -p "$BACK" && cp "$OUT.tgz" "$BACK/" && for f in session.md gpu_check.md chunked_loss_results.md fusion_results.md; do
         [ -f "$OUT/$f" ] && cp "$OUT/$f" "$BACK/"; done
     echo "(copied to $BACK)"
 fi
