@@ -64,7 +64,7 @@ grep -E "^ *[a-z_]+: fwd" "$OUT/fusion.log"
 
 if [ "$GPUS" -ge 2 ]; then
     echo "== pipeline against torch.distributed.pipelining"
-    timeout 300 "$PY" -m benchmarks.pp --only torch --out "$OUT" > "$OUT/pp.log" 2>&1; tail -15 "$OUT/pp.log"
+    timeout 300 "$PY" -m benchmarks.pp --only torch --hidden 1024 --seq 512 --batch 16 --vocab 32000 --steps 10 --out "$OUT" > "$OUT/pp.log" 2>&1; tail -15 "$OUT/pp.log"
     echo "== data parallel against DDP"
     SIZES="1 2"; [ "$GPUS" -ge 4 ] && SIZES="1 2 4"
     timeout 240 "$PY" -m benchmarks.dp --dp $SIZES $DP --out "$OUT" > "$OUT/dp.log" 2>&1; tail -8 "$OUT/dp.log"
