@@ -26,12 +26,7 @@ import torch.distributed as dist
 
 from autoshard.launcher import launch
 from autoshard.runtime.comm import collective_device
-from benchmarks.pp import OUT, _batch, _gpt, _timed_step, loss_rtol
-
-
-def _sync():
-    if collective_device().type == "cuda":
-        torch.cuda.synchronize()
+from benchmarks.pp import OUT, _batch, _gpt, _sync, _timed_step, loss_rtol
 
 
 def _chunk_rows(text: str):

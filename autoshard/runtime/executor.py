@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autoshard.ir.schedule import Action, Kind
-from autoshard.ir.simulator import Span, Timeline
+from autoshard.ir.simulator import Span
 from autoshard.runtime.clock import Recorded, StepClock
 
 if TYPE_CHECKING:
@@ -282,9 +282,6 @@ class Run:
         """The step's marks (``Recorded.timeline()`` reads them: on a GPU that waits for the step's work)."""
         self.record.end, self.record.peak = self.clock.mark(), self.peak
         return self.record
-
-    def timeline(self) -> Timeline:
-        return self.recorded().timeline()
 
 
 def _backend() -> str:

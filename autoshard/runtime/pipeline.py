@@ -92,6 +92,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
                            and i.name not in self._buffers_by_name}
         self.graphs = nn.ModuleDict({str(c.index): bind(c.gm, self.comms, self.device) for c in program.own})
         self._recorded = None                # the last step's action marks (Recorded); read by last_timeline
+        self._timeline = None                # ... and the Timeline made of them, once read
         out = dump_dir(program.options.dump)
         self._dump = (out if program.rank == 0 else f"{out}/rank{program.rank}") if out else None
         self._steps = 0
@@ -237,7 +238,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         self.params.accumulate_step_grads(run.leaves)
         self._sum_tied_grads(saved_tied)       # after the dp sum: both are complete sums, in either order
         loss = self._global_loss(run)
-        self._recorded = run.recorded()      # turned into times only when asked: on a GPU that waits for the step
+        self._recorded, self._timeline = run.recorded(), None   # times only when asked: on a GPU that waits
         self._steps += 1
         if self._dump and self._steps <= 2:   # the first step warms up; the second is drawn over it
             self._dump_measured()
@@ -394,9 +395,9 @@ class PipelineModule(training.TrainingMethods, nn.Module):
     def last_timeline(self) -> Timeline | None:
         """This rank's timeline of the last ``step``: when each of its actions ran, from the clock that saw
         it run (CUDA events on a GPU, so reading it waits for that step's work)."""
-        if self._recorded is not None and not isinstance(self._recorded, Timeline):
-            self._recorded = self._recorded.timeline()
-        return self._recorded
+        if self._timeline is None and self._recorded is not None:
+            self._timeline = self._recorded.timeline()
+        return self._timeline
 
     def measured_timeline(self) -> Timeline:
         """The last step's timeline over every pp rank (a collective over pp): what the dump draws."""
