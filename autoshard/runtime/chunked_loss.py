@@ -49,6 +49,29 @@ def _epilogue_backward(grad: torch.Tensor, epilogue: tuple, tanhs: list) -> None
             grad.mul_(1.0 - t * t)
 
 
+_MIXED_MM: dict = {}     # device type -> whether addmm takes bf16 operands into an fp32 output there
+
+
+def mixed_mm_works(device: torch.device) -> bool:
+    """Whether ``torch.addmm(fp32, bf16, bf16, out_dtype=torch.float32, out=fp32)`` runs on ``device``'s
+    kind and gives the fp32 product (asked once per process, on a 16 x 16 problem). CUDA has it since
+    torch 2.8 and runs it on tensor cores; CPU has no kernel for it. Where it is missing, the weight
+    gradient of a low-precision head is an fp32 GEMM of upcast operands: right, but on a GPU a SIMT one."""
+    kind = device.type
+    if kind not in _MIXED_MM:
+        ok = False
+        if kind == "cuda":
+            try:
+                a = torch.randn(16, 16, device=device).to(torch.bfloat16)
+                out = torch.ones(16, 16, device=device)
+                torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+                ok = bool(torch.allclose(out, 1 + a.float() @ a.float(), rtol=1e-3, atol=1e-3))
+            except (RuntimeError, TypeError, NotImplementedError):
+                ok = False
+        _MIXED_MM[kind] = ok
+    return _MIXED_MM[kind]
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """``apply(h [rows, H], weight [V/t, H], target [rows], comm, start, valid, ignore_index, reduction,
     chunk, grad_enabled, out_dtype, label_smoothing, vocab, reduce_input_grad, bias [V/t] or None,
@@ -132,10 +155,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             if eps:  # the uniform target: real columns only
                 grad[:, :valid].sub_((eps / vocab * row_scale).unsqueeze(1))
             _epilogue_backward(grad, epilogue, kept)   # to the head's output
-            if want_h:  # in h's dtype, as the head's matmul backward computes it
+            mixed = low is not None and want_w and mixed_mm_works(h.device)
+            if want_h or mixed:  # in h's dtype, as the head's matmul backward computes it
                 g = grad if low is None else low[: e - s].copy_(grad)
+            if want_h:
                 torch.mm(g, weight, out=dh[s:e])
-            if want_w:  # summed over chunks in fp32 (from the fp32 gradient: one rounding, at the end)
+            if mixed:   # bf16 operands on tensor cores, accumulated in fp32 over the chunks (Liger's wgrad)
+                torch.addmm(dw, g.t(), hc, out_dtype=torch.float32, out=dw)
+            elif want_w:  # summed over chunks in fp32 (from the fp32 gradient: one rounding, at the end)
                 dw.addmm_(grad.t(), hc if hc.dtype == torch.float32 else hc.float())
             if want_b:
                 db += grad.sum(dim=0)

@@ -192,7 +192,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             check_same_batch(self.comms, leaves, "pm(...)")
         user = [leaves[i] for i in program.captured.input_leaves]  # the leaves the graph reads (tensors)
         buffers = [constants[b] if b in constants else self._buffer(b) for b in program.captured.buffer_names]
-        flat = graph(*self.params.local_inputs(program.params), *buffers, *user)
+        flat = graph(*self.params.call_inputs(program.params), *buffers, *user)
         if self.training:
             self._steps += 1
             if self._check_every and self._steps % self._check_every == 0:
