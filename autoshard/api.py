@@ -170,13 +170,13 @@ def compile_options(*, pins: dict | None = None, loss_only: bool = False, dump: 
                     cost_model=None, disable=(), mixed_precision: str | None = None, microbatches: int | None = None,
                     schedule: str = "1f1b", virtual_stages: int = 1, pipeline_cuts=None, memory_limit=None,
                     zero: int = 0, fuse: bool | str = "auto", loss_chunk_rows="auto", recompute: bool | str = "auto",
-                    loss_fn=None) -> CompileOptions:
+                    loss_fn=None, codegen: str = "auto") -> CompileOptions:
     """The one ``CompileOptions`` that ``parallelize``'s keywords (documented there) describe; the
     compile-only entry points take the same keywords, so a dump made without processes is the program
     ``parallelize`` would run."""
     options = CompileOptions(pins=pins or {}, loss_only=loss_only, dump=dump, disable=disable,
                              mixed_precision=mixed_precision, fuse=fuse, loss_chunk_rows=loss_chunk_rows,
-                             recompute=recompute, loss_fn=loss_fn)
+                             recompute=recompute, loss_fn=loss_fn, codegen=codegen)
     if cost_model is not None:
         options.cost_model = cost_model
     options.pipeline = PipelineOptions(microbatches or 1, schedule, virtual_stages, pipeline_cuts, memory_limit, zero)
@@ -329,7 +329,7 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
                 mixed_precision: str | None = None, max_programs: int = 8, microbatches: int | None = None,
                 schedule: str = "1f1b", virtual_stages: int = 1, pipeline_cuts=None, memory_limit=None,
                 zero: int = 0, fuse: bool | str = "auto", loss_chunk_rows="auto", recompute: bool | str = "auto",
-                loss_fn=None, options: CompileOptions | None = None):
+                loss_fn=None, codegen: str = "auto", options: CompileOptions | None = None):
     """Tensor-parallel ``model`` over ``mesh["tp"]``: an ``nn.Module`` holding this rank's shards.
 
     ``example_args``/``example_kwargs`` are traced first; other shapes, and the other of train/eval
@@ -357,6 +357,11 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     there (Megatron's full recompute); ``"auto"`` does so when the model asks (HF's
     ``model.activation_checkpointing_enable()``, formerly ``gradient_checkpointing_enable()``).
 
+    ``codegen="inductor"`` compiles each rank's program (forward, loss and backward, its collectives as
+    functional collectives) with ``torch.compile``: Inductor writes the kernels (Triton on a GPU, C++ on
+    a CPU) instead of the eager ops and ``fuse``'s generated kernels; "autoshard" runs the program
+    eagerly; "auto" is the path measured fastest (README, "Code generation").
+
     ``loss_fn(output, target)`` (torch pipelining's convention) is compiled in after the model, for a
     model that returns logits: pass ``{"target": y}`` in ``example_kwargs`` and ``pm.step(x, target=y)``.
     """
@@ -366,7 +371,7 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
                                   mixed_precision=mixed_precision, microbatches=microbatches, schedule=schedule,
                                   virtual_stages=virtual_stages, pipeline_cuts=pipeline_cuts,
                                   memory_limit=memory_limit, zero=zero, fuse=fuse, loss_chunk_rows=loss_chunk_rows,
-                                  recompute=recompute, loss_fn=loss_fn)
+                                  recompute=recompute, loss_fn=loss_fn, codegen=codegen)
     real_mesh = hasattr(mesh, "get_group")
     if spec.size > 1 and not real_mesh:
         raise ValueError("parallelize needs a DeviceMesh from autoshard.init_mesh for more than one rank; "

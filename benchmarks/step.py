@@ -12,6 +12,7 @@ variants run interleaved step by step (A B C A B C ...), so the machine's noise 
 - ``eager``: ``model(idx, targets)`` + ``backward()``;
 - ``pm(...)``: ``pm(idx, targets)`` + ``backward()`` (``loss_only=True``), the README's standard loop;
 - ``pm.step``: ``pm.step(idx, targets)``;
+- ``pm(...)`` with ``codegen="inductor"`` (the program through torch.compile);
 - each again with ``AdamW(fused=True)``'s ``step`` + ``zero_grad`` (the optimizer a user would pick).
 
 It also counts, per call, DTensor's autograd wrappings (``DTensor.from_local`` / ``to_local``), the
@@ -19,7 +20,8 @@ host cost the issue measured at 0.16 ms per parameter per step.
 
 **GPU.** The built-in GPT and an HF Llama at GPU sizes, bf16 compute with fp32 master weights, one
 rank, ``AdamW(fused=True)``: eager under autocast, ``torch.compile(model)`` under autocast, and
-autoshard (``mixed_precision="bf16"``, ``loss_only=True``) with ``fuse`` on and off. Columns: step ms
+autoshard (``mixed_precision="bf16"``, ``loss_only=True``) with ``fuse`` on and off, and with
+``codegen="inductor"``. Columns: step ms
 (median), tokens/s, MFU (6·N·tokens plus attention's 12·L·h·s·tokens over the chip's bf16 peak), peak
 memory, time to the first step. ``--profile`` lists the step's top GPU kernels and flags any fp32 SIMT
 GEMM (``sgemm``/``simt`` in a kernel's name).
@@ -29,6 +31,7 @@ Writes ``step_results.md`` (and ``.json``) into ``--out`` (default ``benchmarks/
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -132,6 +135,7 @@ def cpu_host(args) -> list:
     idx = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
     tgt = torch.randint(0, cfg.vocab_size, (args.batch, args.seq))
     pm = autoshard.parallelize(model, mesh, (idx, tgt), loss_only=True)
+    pmi = autoshard.parallelize(copy.deepcopy(model), mesh, (idx, tgt), loss_only=True, codegen="inductor")
     nparams = sum(1 for _ in model.parameters())
     opt_eager = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     opt_pm = torch.optim.AdamW(pm.parameters(), lr=1e-4, fused=True)
@@ -155,12 +159,17 @@ def cpu_host(args) -> list:
             opt.zero_grad(set_to_none=True)
         return run
 
+    def pmi_call():
+        pmi(idx, tgt)[1].backward()
+        pmi.zero_grad(set_to_none=True)
+
     fwd_bwd_only = {
         "eager": lambda: model(idx, tgt)[1].backward(),
         "pm": lambda: pm(idx, tgt)[1].backward(),
         "step": lambda: pm.step(idx, tgt),
     }
     variants = {"eager fwd+bwd": eager, "pm(...) + backward": pm_call, "pm.step": pm_step,
+                "pm(...) + backward, codegen='inductor'": pmi_call,
                 "eager + AdamW(fused)": with_opt("eager", opt_eager, model),
                 "pm(...) + backward + AdamW(fused)": with_opt("pm", opt_pm, pm),
                 "pm.step + AdamW(fused)": with_opt("step", opt_pm, pm)}
@@ -229,9 +238,10 @@ def gpu_step(args) -> list:
             flops = _flops_per_step(model, args.layers, args.hidden, args.seq, tokens)
             if variant.startswith("autoshard"):
                 fuse = "fuse=False" not in variant
+                codegen = "inductor" if "inductor" in variant else "autoshard"
                 example = dict(input_ids=ids, labels=ids, use_cache=False) if hf else None
                 pm = autoshard.parallelize(model, mesh, () if hf else (ids, ids), example, loss_only=True,
-                                           mixed_precision="bf16", fuse="auto" if fuse else False)
+                                           mixed_precision="bf16", fuse="auto" if fuse else False, codegen=codegen)
                 module, fwd = pm, (lambda pm=pm: call(pm))
             else:
                 model = model.to(device)
@@ -324,14 +334,15 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=None)
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--variants", nargs="+", default=["eager", "torch.compile", "autoshard", "autoshard fuse=False"])
+    p.add_argument("--variants", nargs="+", default=["eager", "torch.compile", "autoshard", "autoshard fuse=False",
+                                                     "autoshard codegen=inductor"])
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out", default=OUT)
     args = p.parse_args(argv)
     args.argv = argv
     cpu = args.device == "cpu"
-    for k, (c, g) in dict(steps=(40, 20), layers=(4, 4), hidden=(64, 2048), vocab=(96, 32000), seq=(64, 1024),
-                          batch=(8, 8)).items():
+    for k, (c, g) in dict(steps=(40, 20), layers=(4, 4), hidden=(64, 2048), vocab=(96, 32000), seq=(32, 1024),
+                          batch=(4, 8)).items():
         if getattr(args, k) is None:
             setattr(args, k, c if cpu else g)
     rows = cpu_host(args) if cpu else gpu_step(args)

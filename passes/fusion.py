@@ -29,7 +29,7 @@ from torch.fx.passes.utils.fuser_utils import erase_nodes, fuse_as_graphmodule, 
 from autoshard.ir import meta as M
 from autoshard.ir.pipeline import STAGE_PLAN
 from autoshard.ir.fusion import FusionGroup, FusionReport, KernelRecord, Unfused
-from autoshard.ir.options import uses_nccl
+from autoshard.ir.options import resolved_codegen, uses_nccl
 from autoshard.passes.dropout_rng import rewrite_dropout
 
 class FusionUnavailable(RuntimeError):
@@ -285,7 +285,10 @@ def _splice(gm: fx.GraphModule, built: _Built, name: str) -> fx.Node:
 
 
 def fuse_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    enabled, why = _decide(ctx.options.fuse)
+    if resolved_codegen(ctx.options.codegen) == "inductor":
+        enabled, why = False, "codegen='inductor': Inductor generates this program's kernels"
+    else:
+        enabled, why = _decide(ctx.options.fuse)
     report = FusionReport(enabled, why)
     gm.meta[M.FUSION_REPORT] = report
     if not enabled:

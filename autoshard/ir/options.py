@@ -84,6 +84,13 @@ class CostModel:
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+CODEGENS = ("auto", "autoshard", "inductor")
+
+
+def resolved_codegen(codegen: str) -> str:
+    """What ``codegen="auto"`` runs: the path ``benchmarks.step`` and ``benchmarks.tp`` measured fastest
+    (README, "Code generation"). Until a GPU has measured both, "autoshard" everywhere."""
+    return "autoshard" if codegen == "auto" else codegen
 
 
 @dataclass(frozen=True)
@@ -132,6 +139,7 @@ class CompileOptions:
     loss_chunk_rows: int | str | None = "auto"        # LM head + loss chunked over tokens: rows per chunk, or None
     recompute: bool | str = "auto"                    # each layer recomputed in backward; "auto": the model's flag
     loss_fn: object = None                            # loss_fn(model output, target): compiled in (torch pipelining's)
+    codegen: str = "auto"                             # "autoshard" (eager ops + fuse's kernels), "inductor", "auto"
 
     def __post_init__(self):
         self.pins = dict(self.pins or {})
@@ -145,6 +153,9 @@ class CompileOptions:
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise ValueError(f"loss_fn={self.loss_fn!r} is not callable: give loss_fn(output, target) -> scalar, "
                              "as torch.distributed.pipelining's schedules take")
+        if self.codegen not in CODEGENS:
+            raise ValueError(f"codegen={self.codegen!r}: choose one of {CODEGENS} ('inductor' compiles each rank's "
+                             "program with torch.compile; 'autoshard' runs it eagerly with autoshard's own kernels)")
         rows = self.loss_chunk_rows
         if not (rows is None or rows == "auto" or (isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0)):
             raise ValueError(f"loss_chunk_rows={rows!r}: rows per chunk of the LM head + loss are 'auto' (Liger's "

@@ -63,11 +63,12 @@ IMPLEMENTATIONS = {
 
 
 class BoundOp(nn.Module):
-    """A parallel op with its communicator: what a ``call_module`` node of an instantiated program runs."""
+    """A parallel op with its communicator: what a ``call_module`` node of an instantiated program runs
+    (``table``: the eager implementations, or ``traceable.TRACEABLE`` for a program Inductor compiles)."""
 
-    def __init__(self, op: ops.ParallelOp, comm):
+    def __init__(self, op: ops.ParallelOp, comm, table: dict = IMPLEMENTATIONS):
         super().__init__()
-        self.op, self.comm, self.impl = op, comm, IMPLEMENTATIONS[type(op)]
+        self.op, self.comm, self.impl = op, comm, table[type(op)]
 
     def forward(self, *args):
         if any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
@@ -78,9 +79,14 @@ class BoundOp(nn.Module):
         return self.op.extra_repr()
 
 
-def bind(gm: fx.GraphModule, comms: dict, device: torch.device | None = None) -> fx.GraphModule:
+def bind(gm: fx.GraphModule, comms: dict, device: torch.device | None = None, codegen: str = "autoshard"):
     """A runnable copy of ``gm``: every ``ir.ops`` record bound to ``comms[record.axis]``, its device literals
-    on ``device`` (``runtime/device.py``; None: as traced)."""
+    on ``device`` (``runtime/device.py``; None: as traced). ``codegen="inductor"``: the ops' traceable
+    implementations, and the whole program handed to ``torch.compile`` (``runtime/traceable.py``)."""
+    table = IMPLEMENTATIONS
+    if codegen == "inductor":
+        from autoshard.runtime.traceable import TRACEABLE
+        table = TRACEABLE
     root = nn.Module()
     for node in gm.graph.nodes:
         if node.op != "call_module":
@@ -94,7 +100,10 @@ def bind(gm: fx.GraphModule, comms: dict, device: torch.device | None = None) ->
         if op.axis not in comms:
             raise ValueError(f"node {node.name} communicates on axis '{op.axis}', which this rank has no "
                              f"communicator for (it has {sorted(comms)})")
-        root.add_module(node.target, BoundOp(op, comms[op.axis]))
+        root.add_module(node.target, BoundOp(op, comms[op.axis], table))
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # the program keeps its own graph, untouched
-    return checkpoint_regions(retarget(fx.GraphModule(root, graph), device))   # the recompute plan's regions, if any
+    bound = checkpoint_regions(retarget(fx.GraphModule(root, graph), device))   # the recompute plan's regions, if any
+    if codegen == "inductor":     # static shapes: one compiled graph per program, as the program cache is keyed
+        return torch.compile(bound, dynamic=False, options={"reorder_for_compute_comm_overlap": True})
+    return bound

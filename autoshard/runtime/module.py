@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from autoshard.ir import meta as M
-from autoshard.ir.options import check_replicas_every
+from autoshard.ir.options import check_replicas_every, resolved_codegen
 from autoshard.ir.program import Program
 from autoshard.runtime import training
 from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch
@@ -139,7 +139,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
                 constants[name] = owned_constant(program.captured.constants[name], name, self.device)
             else:
                 raise ValueError(f"buffer or constant '{name}' of the captured graph was not found in the model")
-        self._programs.put(k, (program, bind(program.gm, self.comms, self.device), constants))   # (.program keeps the first)
+        self._programs.put(k, (program, bind(program.gm, self.comms, self.device, resolved_codegen(program.options.codegen)), constants))   # (.program keeps the first)
 
     def _program_for(self, leaves, spec):
         k = program_key(self.training, leaves, spec)
@@ -206,13 +206,11 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         of non-ignored targets (``passes/microbatch_loss.py``), so uneven ``ignore_index`` counts are exact.
         Another batch shape (an epoch's short last batch) compiles its own step program on first use, as
         ``forward`` does; the executors share the parameters (at most ``max_programs`` are kept)."""
-        args, kwargs = to_device((args, kwargs), self.device)
-        return self._stepper_for(args, kwargs).step(*args, **kwargs)
+        return self._stepper_for(args, kwargs).step(*args, **kwargs)     # it moves the batch to the device
 
     def eval_batch(self, *args, **kwargs):
         """The loss of a batch in eval mode (no dropout, no gradients), as ``step`` takes it and returns it
         (with dp, the global batch's loss on every rank): a validation loss."""
-        args, kwargs = to_device((args, kwargs), self.device)
         return self._stepper_for(args, kwargs).eval_batch(*args, **kwargs)
 
     def _stepper_for(self, args, kwargs):

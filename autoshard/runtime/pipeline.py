@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autoshard.ir.options import dump_dir, pg_timeout_seconds
+from autoshard.ir.options import dump_dir, pg_timeout_seconds, resolved_codegen
 from autoshard.ir.pipeline import PipelineProgram
 from autoshard.ir.schedule import Kind
 from autoshard.ir.simulator import Timeline
@@ -90,7 +90,9 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         self._constants = {i.name: owned_constant(constants[i.name], i.name, self.device) for c in program.own
                            for i in c.inputs if i.kind == "buffer" and i.name in constants
                            and i.name not in self._buffers_by_name}
-        self.graphs = nn.ModuleDict({str(c.index): bind(c.gm, self.comms, self.device) for c in program.own})
+        codegen = resolved_codegen(program.options.codegen)
+        self.graphs = nn.ModuleDict({str(c.index): bind(c.gm, self.comms, self.device, codegen)
+                                     for c in program.own})
         self._recorded = None                # the last step's action marks (Recorded); read by last_timeline
         self._timeline = None                # ... and the Timeline made of them, once read
         out = dump_dir(program.options.dump)
