@@ -19,7 +19,7 @@ from tests.models import batch, build, loss_and_logits
 from tests.parity_checks import adamw_errors, gradient_errors, rel
 from tests.pipeline_checks import run_configs
 
-ONE = ("", 1, 0)     # a one-rank group: the functional collectives are the identity
+ONE = traceable.ONE_RANK     # a one-rank group: the functional collectives are the identity
 
 
 class _One:

@@ -9,9 +9,10 @@ forward. Dynamo cannot trace those. Here every op is written again, for the comp
 
 - collectives are ``torch.ops._c10d_functional`` calls (out of place, then ``wait_tensor``), the form
   Inductor schedules, reorders and buckets (torch's functional collectives);
-- Megatron's f, g and the gather/scatter pairs are small autograd functions over them, since the
-  functional collectives have no derivative of their own (an all-reduce's gradient depends on what the
-  caller means by it: ``g`` is an all-reduce forward and the identity backward);
+- Megatron's f, g and the gather/scatter pairs are the eager path's own autograd functions
+  (``collectives.py``) over a ``FunctionalComm``, since the functional collectives have no derivative of
+  their own (an all-reduce's gradient depends on what the caller means by it: ``g`` is an all-reduce
+  forward and the identity backward);
 - the vocab-parallel losses and the logsumexp are composites of differentiable ops around ``g``: every
   rank holds the same loss, so the identity backward of ``g`` gives each rank exactly its local
   gradient (``softmax - onehot`` on its shard), and autograd derives it; nothing is hand-written.
@@ -22,138 +23,66 @@ counts (``pm.comm_counts()``): a compiled program's collectives are its plan's (
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from autoshard.ir import ops
-from autoshard.runtime.layout import assemble, take_shard
+from autoshard.runtime import collectives as C
 from autoshard.runtime.losses import vocab_parallel_embedding
 
 C10D = torch.ops._c10d_functional
 
 
 # --- functional collectives on one axis -------------------------------------------------------------------
-def _group(comm) -> tuple:
-    """(group name, size, rank): plain values the autograd functions keep (dynamo traces them as constants)."""
-    return (comm.group.group_name if comm.group is not None else "", comm.size, comm.rank)
-
-
-def all_reduce(x, group: tuple, op: str = "sum"):
-    name, size, _ = group
-    if size == 1:
-        return x
-    return C10D.wait_tensor(C10D.all_reduce(x.contiguous(), op, name))
-
-
-def all_gather(x, dim: int, group: tuple):
-    """Every rank's ``x`` concatenated along ``dim``."""
-    name, size, _ = group
-    if size == 1:
-        return x
-    front = x.movedim(dim, 0).contiguous()
-    return C10D.wait_tensor(C10D.all_gather_into_tensor(front, size, name)).movedim(0, dim)
-
-
-def reduce_scatter(x, dim: int, group: tuple):
-    """The sum over ranks of ``x``, this rank's equal chunk of ``dim``."""
-    name, size, _ = group
-    if size == 1:
-        return x
-    front = x.movedim(dim, 0).contiguous()
-    return C10D.wait_tensor(C10D.reduce_scatter_tensor(front, "sum", size, name)).movedim(0, dim)
-
-
-# --- Megatron's mappings ----------------------------------------------------------------------------------
-class CopyToParallel(torch.autograd.Function):
-    """f: identity forward, all-reduce of the partial gradient backward."""
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
+@dataclass(frozen=True)
+class FunctionalComm:
+    """``AxisComm``'s collectives as functional collectives (out of place, then ``wait_tensor``), for the
+    same autograd functions (``collectives.py``: Megatron's f, g and the gather/scatter pairs) to run
+    inside a compiled graph. Plain values only, so dynamo traces it as a constant."""
+    name: str           # the process group's name ("" for one rank)
+    size: int
+    rank: int
 
     @staticmethod
-    def backward(ctx, g):
-        return all_reduce(g, ctx.group), None
+    def of(comm) -> "FunctionalComm":
+        return FunctionalComm(comm.group.group_name if comm.group is not None else "", comm.size, comm.rank)
+
+    def all_reduce(self, x, phase=None, op=dist.ReduceOp.SUM):
+        if self.size == 1:
+            return x
+        how = "max" if op == dist.ReduceOp.MAX else "sum"
+        return C10D.wait_tensor(C10D.all_reduce(x.contiguous(), how, self.name))
+
+    def all_gather(self, x, dim, phase=None):
+        """Every rank's ``x`` concatenated along ``dim``."""
+        if self.size == 1:
+            return x
+        front = x.movedim(dim, 0).contiguous()
+        return C10D.wait_tensor(C10D.all_gather_into_tensor(front, self.size, self.name)).movedim(0, dim)
+
+    def reduce_scatter(self, x, dim, phase=None):
+        """The sum over ranks of ``x``, this rank's equal chunk of ``dim``."""
+        if self.size == 1:
+            return x
+        front = x.movedim(dim, 0).contiguous()
+        return C10D.wait_tensor(C10D.reduce_scatter_tensor(front, "sum", self.size, self.name)).movedim(0, dim)
 
 
-class ReduceFromParallel(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-class GatherFromParallel(torch.autograd.Function):
-    """Shard -> Replicate: all-gather (and reassemble blocks, drop padding) forward; this rank's chunk backward."""
-    @staticmethod
-    def forward(ctx, x, group, dim, n, blocks):
-        ctx.args = (group, dim, n, blocks)
-        return assemble(all_gather(x, dim, group), dim, n, group[1], blocks).clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        group, dim, n, blocks = ctx.args
-        return take_shard(g, dim, n, group[1], group[2], blocks).contiguous(), None, None, None, None
-
-
-class ScatterToParallel(torch.autograd.Function):
-    """Replicate -> Shard: this rank's chunk forward; all-gather backward."""
-    @staticmethod
-    def forward(ctx, x, group, dim, n, blocks):
-        ctx.args = (group, dim, n, blocks)
-        return take_shard(x, dim, n, group[1], group[2], blocks).contiguous()
-
-    @staticmethod
-    def backward(ctx, g):
-        group, dim, n, blocks = ctx.args
-        return assemble(all_gather(g, dim, group), dim, n, group[1], blocks), None, None, None, None
-
-
-class ReduceScatterToParallel(torch.autograd.Function):
-    """Partial -> Shard: reduce-scatter forward, all-gather backward."""
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.args = (group, dim)
-        return reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        group, dim = ctx.args
-        return all_gather(g, dim, group), None, None
-
-
-def _to_partial(x, group):
-    """Replicate -> Partial: rank 0 keeps the value, the others hold zeros (a constant per rank)."""
-    return x * 1.0 if group[2] == 0 else x * 0.0
-
-
-def _step(x, step, group):
-    if step.kind == "all_reduce":
-        return ReduceFromParallel.apply(x, group)
-    if step.kind == "reduce_scatter":
-        return ReduceScatterToParallel.apply(x, group, step.dim)
-    if step.kind == "all_gather":
-        return GatherFromParallel.apply(x, group, step.dim, step.length, step.blocks)
-    if step.kind == "shard":
-        return ScatterToParallel.apply(x, group, step.dim, step.length, step.blocks)
-    if step.kind == "to_partial":
-        return _to_partial(x, group)
-    raise ValueError(f"unknown redistribution step {step!r}")
+ONE_RANK = FunctionalComm("", 1, 0)
 
 
 # --- the losses as composites -----------------------------------------------------------------------------
-def cross_entropy(logits, target, group, start: int, valid: int, ignore_index: int, reduction: int,
+def cross_entropy(logits, target, comm: FunctionalComm, start: int, valid: int, ignore_index: int, reduction: int,
                   label_smoothing: float = 0.0, vocab: int | None = None):
     """The vocab-parallel cross-entropy (``losses.VocabParallelCrossEntropy``'s semantics) of logits
     ``[rows, V/t]``, differentiable by autograd: the row max is a constant (it cancels), the sums over
     vocab shards go through ``g``."""
     x = logits.float()
     local = x.shape[1]
-    row_max = all_reduce(x[:, :valid].detach().amax(dim=1), group, "max")
+    row_max = comm.all_reduce(x[:, :valid].detach().amax(dim=1), op=dist.ReduceOp.MAX)
     z = x - row_max.unsqueeze(1)
     if valid < local:    # padded vocab columns take no probability mass
         z = z.masked_fill(torch.arange(local, device=z.device) >= valid, float("-inf"))
@@ -162,7 +91,7 @@ def cross_entropy(logits, target, group, start: int, valid: int, ignore_index: i
     stats = [z.exp().sum(dim=1), torch.where(in_shard, z.gather(1, local_t.unsqueeze(1)).squeeze(1), 0.0)]
     if label_smoothing:
         stats.append(z[:, :valid].sum(dim=1))
-    stats = ReduceFromParallel.apply(torch.stack(stats), group)
+    stats = C.ReduceFromParallel.apply(torch.stack(stats), comm)
     lse = stats[0].log()
     loss = lse - stats[1]
     if label_smoothing:
@@ -183,18 +112,16 @@ def _epilogue(x, epilogue: tuple):
 
 # --- the table bind reads -----------------------------------------------------------------------------------
 def _redistribute(op, comm, x):
-    group = _group(comm)
-    for step in op.transforms:
-        x = _step(x, step, group)
-    return x
+    return C.redistribute(x, op.transforms, FunctionalComm.of(comm))
 
 
 def _copy_to_parallel(op, comm, x):
-    return CopyToParallel.apply(x, _group(comm))
+    return C.CopyToParallel.apply(x, FunctionalComm.of(comm))
 
 
 def _column_parallel_matmul(op, comm, x, weight, bias=None):
-    return F.linear(CopyToParallel.apply(x, _group(comm)), weight.t() if op.transposed else weight, bias)
+    """f, then the matmul: Inductor schedules the gradient's all-reduce against dW itself."""
+    return F.linear(C.CopyToParallel.apply(x, FunctionalComm.of(comm)), weight.t() if op.transposed else weight, bias)
 
 
 def _vocab_parallel_embedding(op, comm, weight, idx):
@@ -202,28 +129,28 @@ def _vocab_parallel_embedding(op, comm, weight, idx):
 
 
 def _vocab_parallel_cross_entropy(op, comm, logits, target):
-    loss = cross_entropy(logits, target, _group(comm), op.start, op.valid, op.ignore_index, op.reduction,
-                         op.label_smoothing, op.vocab)
+    loss = cross_entropy(logits, target, FunctionalComm.of(comm), op.start, op.valid, op.ignore_index,
+                         op.reduction, op.label_smoothing, op.vocab)
     return loss.to(logits.dtype)
 
 
 def _vocab_parallel_linear_cross_entropy(op, comm, h, weight, target, bias=None):
     """The LM head and its loss, unchunked: Inductor plans the logits' memory itself."""
-    group = _group(comm) if op.size > 1 else ("", 1, 0)
+    fc = FunctionalComm.of(comm) if op.size > 1 else ONE_RANK
     if op.reduce_input_grad:
-        h = CopyToParallel.apply(h, group)
+        h = C.CopyToParallel.apply(h, fc)
     logits = _epilogue(F.linear(h, weight, bias).float(), op.epilogue)
-    loss = cross_entropy(logits, target, group, op.start, op.valid, op.ignore_index, op.reduction,
+    loss = cross_entropy(logits, target, fc, op.start, op.valid, op.ignore_index, op.reduction,
                          op.label_smoothing, op.vocab)
     return loss.to(op.out_dtype or h.dtype)
 
 
 def _vocab_parallel_logsumexp(op, comm, x):
-    group = _group(comm)
+    fc = FunctionalComm.of(comm)
     real = x.narrow(op.dim, 0, op.valid).float()
-    m = all_reduce(real.detach().amax(op.dims, keepdim=True), group, "max")
+    m = fc.all_reduce(real.detach().amax(op.dims, keepdim=True), op=dist.ReduceOp.MAX)
     m = m.masked_fill(m.isinf(), 0.0)
-    out = ReduceFromParallel.apply((real - m).exp().sum(op.dims, keepdim=True), group).log() + m
+    out = C.ReduceFromParallel.apply((real - m).exp().sum(op.dims, keepdim=True), fc).log() + m
     return (out if op.keepdim else out.squeeze(op.dims)).to(x.dtype)
 
 
