@@ -12,7 +12,7 @@ go through NCCL (one coalesced work per batch, a stream per group), and ``fuse="
 generated Triton kernels:
 
 - 1 GPU: pm.step with and without microbatches on the built-in GPT and an HF Llama (the device paths
-  and the Triton kernels);
+  and the Triton kernels), and ``codegen="inductor"`` (Inductor's Triton kernels);
 - 2 GPUs: tp=2; pp=2 with 1F1B (clipping), interleaved and GPipe, a tied head across the stages; dp=2
   with ZeRO-1; an HF Llama at pp=2;
 - 4 GPUs: pp=2 x tp=2, dp=2 x pp=2 with ZeRO-1, dp=2 x tp=2, pp=4 interleaved, an HF Llama at
@@ -36,18 +36,21 @@ LLAMA = dict(family="llama", layers=4, hidden=64, heads=4, kv_heads=2, tie_word_
 CONFIGS = {
     1: [("gpt", dict(tp=1), {}, GPT),
         ("gpt", dict(tp=1), dict(microbatches=2), GPT),
-        ("family", dict(tp=1), dict(microbatches=2), LLAMA)],
+        ("family", dict(tp=1), dict(microbatches=2), LLAMA),
+        ("gpt", dict(tp=1), dict(microbatches=2, codegen="inductor"), GPT)],
     2: [("gpt", dict(tp=2), dict(microbatches=2), GPT),
         ("gpt", dict(pp=2), dict(microbatches=4, schedule="1f1b", clip=0.05), GPT),
         ("gpt", dict(pp=2), dict(microbatches=4, schedule="interleaved", virtual_stages=2), GPT),
         ("gpt", dict(pp=2), dict(microbatches=4, schedule="gpipe"), GPT),
         ("gpt", dict(dp=2), dict(microbatches=2, zero=1), GPT),
-        ("family", dict(pp=2), dict(microbatches=2), LLAMA)],
+        ("family", dict(pp=2), dict(microbatches=2), LLAMA),
+        ("gpt", dict(tp=2), dict(microbatches=2, codegen="inductor"), GPT)],
     4: [("gpt", dict(pp=2, tp=2), dict(microbatches=2, clip=0.05), GPT),
         ("gpt", dict(dp=2, pp=2), dict(microbatches=2, zero=1), GPT),
         ("gpt", dict(dp=2, tp=2), dict(microbatches=2), GPT),
         ("gpt", dict(pp=4), dict(microbatches=4, schedule="interleaved", virtual_stages=2), GPT),
-        ("family", dict(pp=2, tp=2), dict(microbatches=2, schedule="interleaved", virtual_stages=2), LLAMA)],
+        ("family", dict(pp=2, tp=2), dict(microbatches=2, schedule="interleaved", virtual_stages=2), LLAMA),
+        ("gpt", dict(pp=2, tp=2), dict(microbatches=2, codegen="inductor"), GPT)],
     8: [("gpt", dict(dp=2, pp=2, tp=2), dict(microbatches=2, zero=1), GPT)],
 }
 TOL = 1e-4

@@ -12,13 +12,15 @@
 # over them with --no-deps), each step under a timeout so that one slow step cannot eat the lease:
 #   1. gpu_check: parity with the single-device model on CUDA + NCCL with the compiled Triton kernels,
 #      for every mesh the GPUs allow (1 GPU: about 60 s; the table is written after each rank count);
-#   2. dp=1 against DDP on one GPU, with autoshard's fusion and chunked loss on and off (which of them
+#   2. a rank's whole step (GPT and HF Llama, bf16, fused AdamW) against eager and torch.compile, both
+#      codegen paths, with the profile's top kernels and any fp32 SIMT GEMM (benchmarks.step);
+#   3. dp=1 against DDP on one GPU, with autoshard's fusion and chunked loss on and off (which of them
 #      costs the step time: the first H100 run measured 1.05x);
-#   3. the chunked LM head + loss against the unchunked one at the dp runs' sizes;
-#   4. the fusion patterns (eager / fused / torch.compile, each kernel's bandwidth, the host time to issue
+#   4. the chunked LM head + loss against the unchunked one at the dp runs' sizes;
+#   5. the fusion patterns (eager / fused / torch.compile, each kernel's bandwidth, the host time to issue
 #      a call); the two-layer GPT timing is left out (its torch.compile takes minutes: run
 #      `python -m benchmarks.fusion` alone for it);
-#   5. with 2 or more GPUs: the pipeline against torch.distributed.pipelining (issue 8's 0.95x target)
+#   6. with 2 or more GPUs: the pipeline against torch.distributed.pipelining (issue 8's 0.95x target)
 #      and data parallel against DDP at dp = 1, 2 (, 4) with the overlap share (issue 9).
 # Everything lands in OUTDIR as .md and .log files, and in OUTDIR.tgz beside it (one file to bring back
 # from a machine that returns few); the summary is printed last.
@@ -40,6 +42,10 @@ GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 echo "== gpu_check"
 timeout $((120 + 90 * GPUS)) "$PY" -m benchmarks.gpu_check --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log" |
     grep -E "^  (pass|FAIL)|tracebacks"
+
+echo "== a rank's whole step against torch.compile: GPT and HF Llama, bf16, AdamW(fused) (issue 23)"
+timeout 300 "$PY" -m benchmarks.step --device cuda --steps 10 --profile --out "$OUT" > "$OUT/step.log" 2>&1
+grep -E "^\||fp32 SIMT" "$OUT/step_results_gpu.md" 2>/dev/null | tee -a "$OUT/session.md"
 
 DP="--steps 10 --hidden 1024 --layers 8 --seq 512 --batch 8 --vocab 32000"
 { echo; echo "## dp=1 against DDP ($DP)"; echo; echo "| fuse | loss chunks | autoshard ms | DDP ms | ratio |"
@@ -72,7 +78,7 @@ fi
 echo; echo "== summary ($OUT)"; cat "$OUT/session.md"; grep -E "^\| [0-9]" "$OUT/gpu_check.md" 2>/dev/null
 tar -czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "(all of it: $OUT.tgz)"
 if [ -n "$BACK" ]; then
-    mkdir -p "$BACK" && cp "$OUT.tgz" "$BACK/" && for f in session.md gpu_check.md chunked_loss_results.md fusion_results.md; do
+    mkdir -p "$BACK" && cp "$OUT.tgz" "$BACK/" && for f in session.md gpu_check.md step_results_gpu.md chunked_loss_results.md fusion_results.md; do
         [ -f "$OUT/$f" ] && cp "$OUT/$f" "$BACK/"; done
     echo "(copied to $BACK)"
 fi
