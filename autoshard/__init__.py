@@ -15,6 +15,7 @@ from autoshard.checkpoint import load, save
 from autoshard.ir import (CompileOptions, CostModel, DistSpec, MeshSpec, Partial, Program, Replicate, Shard)
 from autoshard.launcher import RankError, launch
 from autoshard.mesh import init_mesh
+from autoshard.ir.errors import InputError
 from autoshard.ir.options import PipelineOptions
 from autoshard.runtime.batch_check import data_parallel_rank
 from autoshard.runtime.data_parallel import local_batch
@@ -22,5 +23,5 @@ from autoshard.runtime.module import ParallelModule
 from autoshard.runtime.pipeline import PipelineError, PipelineModule
 
 __all__ = ["init_mesh", "parallelize", "compile_rank", "compile_pipeline", "compile_options", "PipelineModule", "PipelineOptions",
-           "PipelineError", "local_batch", "data_parallel_rank", "save", "load", "launch", "RankError", "Program", "ParallelModule", "CompileOptions",
+           "PipelineError", "InputError", "local_batch", "data_parallel_rank", "save", "load", "launch", "RankError", "Program", "ParallelModule", "CompileOptions",
            "MeshSpec", "CostModel", "DistSpec", "Shard", "Replicate", "Partial"]

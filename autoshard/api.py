@@ -170,13 +170,13 @@ def compile_options(*, pins: dict | None = None, loss_only: bool = False, dump: 
                     cost_model=None, disable=(), mixed_precision: str | None = None, microbatches: int | None = None,
                     schedule: str = "1f1b", virtual_stages: int = 1, pipeline_cuts=None, memory_limit=None,
                     zero: int = 0, fuse: bool | str = "auto", loss_chunk_rows="auto", recompute: bool | str = "auto",
-                    loss_fn=None, codegen: str = "auto") -> CompileOptions:
+                    loss_fn=None, codegen: str = "auto", check_finite: bool | None = None) -> CompileOptions:
     """The one ``CompileOptions`` that ``parallelize``'s keywords (documented there) describe; the
     compile-only entry points take the same keywords, so a dump made without processes is the program
     ``parallelize`` would run."""
     options = CompileOptions(pins=pins or {}, loss_only=loss_only, dump=dump, disable=disable,
                              mixed_precision=mixed_precision, fuse=fuse, loss_chunk_rows=loss_chunk_rows,
-                             recompute=recompute, loss_fn=loss_fn, codegen=codegen)
+                             recompute=recompute, loss_fn=loss_fn, codegen=codegen, check_finite=check_finite)
     if cost_model is not None:
         options.cost_model = cost_model
     options.pipeline = PipelineOptions(microbatches or 1, schedule, virtual_stages, pipeline_cuts, memory_limit, zero)
@@ -329,7 +329,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
                 mixed_precision: str | None = None, max_programs: int = 8, microbatches: int | None = None,
                 schedule: str = "1f1b", virtual_stages: int = 1, pipeline_cuts=None, memory_limit=None,
                 zero: int = 0, fuse: bool | str = "auto", loss_chunk_rows="auto", recompute: bool | str = "auto",
-                loss_fn=None, codegen: str = "auto", options: CompileOptions | None = None):
+                loss_fn=None, codegen: str = "auto", check_finite: bool | None = None,
+                options: CompileOptions | None = None):
     """Tensor-parallel ``model`` over ``mesh["tp"]``: an ``nn.Module`` holding this rank's shards.
 
     ``example_args``/``example_kwargs`` are traced first; other shapes, and the other of train/eval
@@ -362,6 +363,10 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     a CPU) instead of the eager ops and ``fuse``'s generated kernels; "autoshard" runs the program
     eagerly; "auto" is the path measured fastest (README, "Code generation").
 
+    ``check_finite=True`` (or ``AUTOSHARD_CHECK_FINITE=1``) raises on every rank, naming the step, when a
+    training loss (and, in ``pm.step``, the gradient norm) is NaN or inf, as Megatron's
+    ``check_for_nan_in_loss_and_grad`` does; off by default (it reads the loss back each step).
+
     ``loss_fn(output, target)`` (torch pipelining's convention) is compiled in after the model, for a
     model that returns logits: pass ``{"target": y}`` in ``example_kwargs`` and ``pm.step(x, target=y)``.
     """
@@ -371,7 +376,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
                                   mixed_precision=mixed_precision, microbatches=microbatches, schedule=schedule,
                                   virtual_stages=virtual_stages, pipeline_cuts=pipeline_cuts,
                                   memory_limit=memory_limit, zero=zero, fuse=fuse, loss_chunk_rows=loss_chunk_rows,
-                                  recompute=recompute, loss_fn=loss_fn, codegen=codegen)
+                                  recompute=recompute, loss_fn=loss_fn, codegen=codegen,
+                                  check_finite=check_finite)
     real_mesh = hasattr(mesh, "get_group")
     if spec.size > 1 and not real_mesh:
         raise ValueError("parallelize needs a DeviceMesh from autoshard.init_mesh for more than one rank; "

@@ -20,6 +20,9 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from autoshard.ir.errors import InputError
 
 FORMAT = 1
 
@@ -173,6 +176,51 @@ def _renamed(values: dict, names: dict) -> dict:
     return out
 
 
+def _read_metadata(path: str) -> dict:
+    """DCP's index of the checkpoint's tensors (name -> metadata), or a clear error for an unreadable one."""
+    try:
+        return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - a truncated index fails in pickle, io or DCP, each its own way
+        raise InputError(f"{path}: the checkpoint's index (.metadata) could not be read ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}): it is truncated or corrupt; use an "
+                         "earlier checkpoint") from e
+
+
+def _first_cause(e: BaseException) -> str:
+    """The first line of what failed, under DCP's wrapper (which lists every rank's traceback)."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    causes = [line for line in lines if not line.startswith(("Traceback", "File ", "CheckpointException"))
+              and ("Error" in line or "error" in line)]
+    return (causes or lines or [type(e).__name__])[-1 if causes else 0][:300]
+
+
+def _check_model_keys(path: str, mine: dict, held: dict) -> None:
+    """Every rank's model entries against the checkpoint's, before DCP reads a byte: the keys it lacks,
+    the keys it holds that no rank of this model has, and shapes that differ, gathered over the world so
+    that every rank raises the same error (a rank that raised alone would leave the others in DCP's
+    collectives)."""
+    saved = {k[len("model."):]: v for k, v in held.items() if k.startswith("model.")}
+    problems = {"missing": sorted(k for k in mine if k not in saved),
+                "shapes": sorted(f"{k}: checkpoint {tuple(saved[k].size)}, model {tuple(v.shape)}"
+                                 for k, v in mine.items() if k in saved and hasattr(saved[k], "size")
+                                 and tuple(saved[k].size) != tuple(v.shape))}
+    every = [(problems, sorted(mine))]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (problems, sorted(mine)))
+    ours = set().union(*(set(names) for _, names in every))
+    missing = sorted(set().union(*(set(p["missing"]) for p, _ in every)))
+    shapes = sorted(set().union(*(set(p["shapes"]) for p, _ in every)))
+    unexpected = sorted(k for k in saved if k not in ours)
+    if missing or unexpected or shapes:
+        parts = [f"missing {len(missing)} entr{'y' if len(missing) == 1 else 'ies'} {missing[:6]}" if missing else "",
+                 f"unexpected {len(unexpected)} {unexpected[:6]}" if unexpected else "",
+                 f"other shapes {shapes[:4]}" if shapes else ""]
+        raise InputError(f"{path} is a checkpoint of another model: " + "; ".join(p for p in parts if p) +
+                         ". Load it into the model that saved it (same config), or load the matching weights "
+                         "with pm.load_full_state_dict(sd, strict=False)")
+
+
 def load(pm, optimizer, path: str, scheduler=None) -> int | None:
     """Load a checkpoint written by ``save`` (on this mesh or another) into ``pm``, ``optimizer`` and the
     LR ``scheduler`` (optional; build it on ``optimizer`` first, as for the run that saved); every rank
@@ -203,15 +251,20 @@ def load(pm, optimizer, path: str, scheduler=None) -> int | None:
         raise ValueError(f"{path} holds " + (f"a {saved_schedule['class']} scheduler" if saved_schedule else
                                              "no LR scheduler (autoshard.save(..., scheduler=None))")
                          + f", not a {type(scheduler).__name__}: pass the scheduler the run saved, or scheduler=None")
-    held = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    held = _read_metadata(path)
     renamed = _tied_names_held(pm, held)
     state = {"model": _renamed(pm.state_dict(), renamed)}
+    _check_model_keys(path, state["model"], held)
     if optimizer is not None:
         _init_state(pm, optimizer)
         # a parameter not yet stepped when it was saved has no state there: it gets none here either
         optim = _renamed(_optim_state(pm, optimizer), renamed)
         state["optim"] = {k: v for k, v in optim.items() if f"optim.{k}" in held}
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as e:   # DCP's own is a BaseException carrying every rank's failure
+        raise InputError(f"{path}: reading the checkpoint's tensors failed ({_first_cause(e)}): a file is truncated "
+                         "or corrupt, or comes from another save; use an earlier checkpoint") from e
     back = {v: k for k, v in renamed.items()}
     state = {part: _renamed(values, back) for part, values in state.items()}
     pm.load_state_dict(state["model"])

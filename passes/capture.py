@@ -16,6 +16,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from autoshard.ir import meta as M
 from autoshard.ir.program import Captured
 from autoshard.passes.functionalize import functionalize
+from autoshard.passes.index_ranges import check_static_indices, index_ranges
 from autoshard.passes.regions import RegionError, inline_regions
 from autoshard.passes.shapes import module_path
 
@@ -149,7 +150,15 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
                     dict(ep.constants),
                     [x if not isinstance(x, torch.Tensor) else (tuple(x.shape), x.dtype) for x in example_leaves],
                     input_leaves=input_leaves, regions=regions, functionalized=functionalized,
+                    index_ranges=_checked_index_ranges(gm),
                     example_requires_grad=[isinstance(x, torch.Tensor) and bool(x.requires_grad) for x in example_leaves])
+
+
+def _checked_index_ranges(gm) -> list:
+    """The user inputs used as indices (checked at each call), after refusing indices that overflow for
+    these shapes alone (``index_ranges.py``)."""
+    check_static_indices(gm)
+    return index_ranges(gm)
 
 
 def _check_static_sizes(model, gm) -> None:

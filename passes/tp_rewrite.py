@@ -25,7 +25,7 @@ from autoshard.ir.placement import Replicate, Shard, local_shape, shard_range
 from autoshard.passes.plan import partial_grad_use
 from autoshard.passes.rules import VIEW_OPS, split_sizes
 from autoshard.passes.rules_vocab import cross_entropy_args, logsumexp_dims
-from autoshard.passes.shapes import shape_of, squeezed_dims, val
+from autoshard.passes.shapes import module_path, shape_of, squeezed_dims, val
 
 aten = torch.ops.aten
 
@@ -145,10 +145,12 @@ def _sole_reader(u):
 def _lower(g, n, s, args, kwargs, t, rank, add_module):
     packet = getattr(n.target, "overloadpacket", None)
     if s.lowering == "vocab_parallel_embedding":
-        start, valid = _vocab_range(shape_of(n.args[0])[0], t, rank)
+        rows = shape_of(n.args[0])[0]
+        start, valid = _vocab_range(rows, t, rank)
         pad = args[2] if len(args) > 2 else -1
         local_pad = pad - start if pad is not None and pad >= 0 and start <= pad < start + valid else None
-        name = add_module("vocab_embedding", ops.VocabParallelEmbedding("tp", t, start, valid, local_pad))
+        name = add_module("vocab_embedding", ops.VocabParallelEmbedding("tp", t, start, valid, local_pad, rows,
+                                                                            module_path(n)))
         return g.call_module(name, args[:2])
     if s.lowering == "vocab_parallel_cross_entropy":
         rows, vocab = shape_of(n.args[0])

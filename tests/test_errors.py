@@ -111,7 +111,7 @@ def test_runtime_rejects_other_shapes_and_structures():
     pm = ParallelModule(autoshard.compile_rank(model, {"tp": 1}, 0, args), model)
     with pytest.raises(ValueError, match=r"input 0 is \(\(3, 8\), torch.int64\), compiled for \(\(2, 8\), torch.int64\)"):
         pm(torch.zeros(3, 8, dtype=torch.long), torch.zeros(3, 8, dtype=torch.long))
-    with pytest.raises(TypeError, match="do not match the example inputs"):
+    with pytest.raises(autoshard.InputError, match="do not match the example inputs"):
         pm(args[0])
 
 

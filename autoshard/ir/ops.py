@@ -103,9 +103,12 @@ class ColumnParallelMatmul(ParallelOp):
 class VocabParallelEmbedding(ParallelOp):
     """Look up the rows ``[start, start + valid)`` this rank holds; zeros elsewhere (a Partial sum)."""
 
-    def __init__(self, axis, size, start: int, valid: int, padding_idx=None):
+    def __init__(self, axis, size, start: int, valid: int, padding_idx=None, rows: int | None = None,
+                 module: str = ""):
         super().__init__(axis, size)
         self.start, self.valid, self.padding_idx = start, valid, padding_idx
+        self.rows = rows         # the whole embedding's rows: ids outside [0, rows) are an error
+        self.module = module     # the model's module that looks them up (for that error)
 
     def meta_forward(self, weight, idx):
         return weight.new_empty(tuple(idx.shape) + (weight.shape[1],))

@@ -5,6 +5,7 @@
 | ``AUTOSHARD_DUMP``    | directory for pass dumps and ``plan.md`` (same as ``dump=``)        |
 | ``AUTOSHARD_TIMEOUT`` | seconds before a collective gives up (process-group timeout), 300   |
 | ``AUTOSHARD_CHECK_REPLICAS`` | every N training forwards, compare replicated parameters across ranks |
+| ``AUTOSHARD_CHECK_FINITE`` | ``1``: raise, naming the step, on a NaN/inf loss or gradient norm (``check_finite=``) |
 | ``AUTOSHARD_BACKEND`` | ``gloo`` or ``nccl`` for the process groups autoshard starts; default NCCL when CUDA is there |
 | ``CompileOptions``    | the one typed options object ``parallelize`` builds and passes see  |
 | ``CostModel``         | machine constants the planner prices plans with                     |
@@ -40,6 +41,14 @@ def uses_nccl() -> bool:
     if dist.is_available() and dist.is_initialized():
         return "nccl" in str(dist.get_backend())
     return default_backend() == "nccl"
+
+
+def check_finite_enabled(option: bool | None) -> bool:
+    """``check_finite=`` when given, else ``AUTOSHARD_CHECK_FINITE=1`` (off by default: it reads the loss
+    back to the host each step, a synchronisation on a GPU)."""
+    if option is not None:
+        return bool(option)
+    return os.environ.get("AUTOSHARD_CHECK_FINITE", "0").strip().lower() not in ("", "0", "false", "no")
 
 
 def check_replicas_every() -> int:
@@ -140,6 +149,7 @@ class CompileOptions:
     recompute: bool | str = "auto"                    # each layer recomputed in backward; "auto": the model's flag
     loss_fn: object = None                            # loss_fn(model output, target): compiled in (torch pipelining's)
     codegen: str = "auto"                             # "autoshard" (eager ops + fuse's kernels), "inductor", "auto"
+    check_finite: bool | None = None                  # raise on a NaN/inf loss or gradient norm (None: AUTOSHARD_CHECK_FINITE)
 
     def __post_init__(self):
         self.pins = dict(self.pins or {})

@@ -29,6 +29,19 @@ class Captured:
     example_requires_grad: list = field(default_factory=list)  # per leaf: a tensor that requires grad
     regions: list = field(default_factory=list)        # higher-order regions inlined at capture
     functionalized: list = field(default_factory=list) # modules whose writes into views became scatters
+    index_ranges: list = field(default_factory=list)   # [IndexRange]: user inputs used as indices
+
+
+@dataclass(frozen=True)
+class IndexRange:
+    """A user input whose values index something of ``size`` entries (token ids into an embedding, labels
+    into a loss's classes): the runtime checks it on every rank at a call's start
+    (``runtime/input_checks.py``), since the sharded op masks what its shard does not hold."""
+    input: str               # the user input's name (``input_ids``, ``labels``)
+    size: int                # valid values are [0, size)
+    what: str                # "token id" or "label"
+    ignore_index: int | None = None   # also valid (a loss's skipped positions)
+    module: str = ""         # where the model uses it, for the message
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from autoshard.ir.errors import InputError
 from autoshard.runtime.comm import collective_device
 
 CHECKED_CALLS = 2            # the first calls of each program: a mistake in a data loader shows at once
@@ -46,6 +47,31 @@ def fingerprint(leaves: list) -> torch.Tensor:
         weights = torch.arange(1, sample.numel() + 1, dtype=torch.float64, device=device).remainder_(1009).add_(1)
         stats[4] += (sample * weights).sum() * (i + 1)
     return stats
+
+
+def _rows(leaves: list) -> int:
+    return next((int(x.shape[0]) for x in leaves if isinstance(x, torch.Tensor) and x.dim()), 0)
+
+
+def check_same_shapes_over_dp(comms: dict, leaves: list, where: str) -> None:
+    """Raise (on every rank of the dp group) if the dp replicas were given batches of different shapes.
+    Each replica computes the same program on its own rows, and a replica with other shapes would compile
+    and run another program (its gradients weighted by its own row count, a last partial batch on some
+    ranks only): a data-loader slip (a ``DistributedSampler`` without ``drop_last``), not a plan."""
+    comm = comms.get("dp")
+    group = getattr(comm, "group", None)
+    if comm is None or comm.size == 1 or group is None:
+        return
+    stats = fingerprint(leaves)
+    mine = torch.stack([stats[0], stats[1], stats[2], torch.tensor(float(_rows(leaves)), dtype=torch.float64,
+                                                                   device=stats.device)]).to(collective_device())
+    every = [torch.empty_like(mine) for _ in range(comm.size)]
+    dist.all_gather(every, mine, group=group)
+    if any(not torch.equal(e[:3], every[0][:3]) for e in every):
+        rows = [int(e[3]) for e in every]
+        raise InputError(f"{where}: the dp replicas were given batches of different shapes (rows per dp rank: {rows}), "
+                         "but every replica must pass the same shapes, its own rows of one global batch: use "
+                         "autoshard.local_batch(batch, mesh), or a DistributedSampler with drop_last=True")
 
 
 def check_same_batch(comms: dict, leaves: list, where: str) -> None:

@@ -32,7 +32,7 @@ def _column_parallel_matmul(op, comm, x, weight, bias=None):
 
 
 def _vocab_parallel_embedding(op, comm, weight, idx):
-    return L.vocab_parallel_embedding(weight, idx, op.start, op.valid, op.padding_idx)
+    return L.vocab_parallel_embedding(weight, idx, op.start, op.valid, op.padding_idx, op.rows, op.module)
 
 
 def _vocab_parallel_cross_entropy(op, comm, logits, target):

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from autoshard.runtime.input_checks import check_range
+
 
 def _epilogue_forward(x: torch.Tensor, epilogue: tuple, tanhs: list) -> None:
     """Apply the epilogue to a chunk's logits in place, keeping each tanh's output in ``tanhs`` (if any)."""
@@ -92,6 +94,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         eps = float(label_smoothing)
         if eps and not vocab:
             raise ValueError("a label-smoothed chunked cross-entropy needs the global vocab size")
+        check_range(target, vocab, "label", ignore_index)
         rows, local_vocab = h.shape[0], weight.shape[0]
         want_h, want_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         want_b = bias is not None and grad_enabled and ctx.needs_input_grad[14]     # bias: the 15th input

@@ -10,13 +10,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from autoshard.runtime.input_checks import check_range
 
-def vocab_parallel_embedding(weight, idx, start: int, valid: int, padding_idx=None):
+
+def vocab_parallel_embedding(weight, idx, start: int, valid: int, padding_idx=None, rows: int | None = None,
+                             module: str = "the embedding"):
     """Look up the ids this rank's rows hold (``[start, start + valid)``); zeros elsewhere -> Partial.
 
     ``padding_idx`` (local, or None when the padding row lives on another rank) keeps its row's
-    gradient at zero, as ``nn.Embedding(padding_idx=...)`` does.
+    gradient at zero, as ``nn.Embedding(padding_idx=...)`` does. An id outside ``[0, rows)`` (the whole
+    table) is an error, as on one device, not a zero row (``input_checks.py``).
     """
+    check_range(idx, rows, "index", name=f"the indices into '{module}'")
     outside = (idx < start) | (idx >= start + valid)
     local = (idx - start).masked_fill(outside, 0)
     return F.embedding(local, weight, padding_idx=padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
@@ -46,6 +51,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
                 label_smoothing=0.0, vocab=None):
         if logits.is_meta:
             return logits.new_empty(() if reduction != 0 else target.shape)
+        check_range(target, vocab, "label", ignore_index)
         x = logits.float()
         real = x[:, :valid]  # padded vocab columns take no part in the max (nor, below, in the sums)
         row_max = comm.all_reduce(real.max(dim=1).values, "fwd", op=dist.ReduceOp.MAX)

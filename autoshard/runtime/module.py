@@ -19,13 +19,15 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from autoshard.ir import meta as M
-from autoshard.ir.options import check_replicas_every, resolved_codegen
+from autoshard.ir.errors import InputError
+from autoshard.ir.options import check_finite_enabled, check_replicas_every, resolved_codegen
 from autoshard.ir.program import Program
 from autoshard.runtime import training
 from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch
 from autoshard.runtime.bind import bind
 from autoshard.runtime.comm import AxisComm
 from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
+from autoshard.runtime.input_checks import check_dtype_kinds, check_inputs, naming_new_shapes
 from autoshard.runtime.device import mesh_device, owned, owned_constant, to_device
 from autoshard.runtime.params import ShardedParameters, model_buffers
 from autoshard.runtime.program_cache import ProgramCache
@@ -151,7 +153,8 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         start = time.perf_counter()
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         pins = {r.name: r.spec.tp for r in first.params}
-        program = self._compiler(args, kwargs, self.training, pins)
+        with naming_new_shapes(leaves, first.captured):
+            program = self._compiler(args, kwargs, self.training, pins)
         theirs = {(r.name, r.global_shape) for r in program.params}
         ours = {(r.name, r.global_shape) for r in first.params}
         if not theirs <= ours:
@@ -169,7 +172,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
     def _explain_mismatch(leaves, spec, program):
         captured = program.captured
         if spec != captured.in_spec:
-            raise TypeError(f"inputs do not match the example inputs the model was compiled with: got structure "
+            raise InputError(f"inputs do not match the example inputs the model was compiled with: got structure "
                             f"{spec}, compiled for {captured.in_spec}; pass the same arguments")
         for i, (x, ex) in enumerate(zip(leaves, captured.example_leaves)):
             got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
@@ -185,16 +188,20 @@ class ParallelModule(training.TrainingMethods, nn.Module):
                                "it sums the gradients over dp ranks; a training forward here would leave each "
                                "replica's gradients unsynchronised. pm.eval() forwards are fine")
         leaves, spec = pytree.tree_flatten(to_device((args, kwargs), self.device))
+        check_dtype_kinds(leaves, self.program.captured)
         program, graph, constants = self._program_for(leaves, spec)
         key = program_key(self.training, leaves, spec)
         if self._batch_checks.get(key, 0) < CHECKED_CALLS:   # every tp rank given the same batch
             self._batch_checks[key] = self._batch_checks.get(key, 0) + 1
             check_same_batch(self.comms, leaves, "pm(...)")
         user = [leaves[i] for i in program.captured.input_leaves]  # the leaves the graph reads (tensors)
+        check_inputs(program.captured.index_ranges, dict(zip(program.captured.user_input_names, user)))
         buffers = [constants[b] if b in constants else self._buffer(b) for b in program.captured.buffer_names]
         flat = graph(*self.params.call_inputs(program.params), *buffers, *user)
         if self.training:
             self._steps += 1
+            if check_finite_enabled(program.options.check_finite):
+                training.check_finite(self, _scalar_loss(flat), self._steps, grads=False)
             if self._check_every and self._steps % self._check_every == 0:
                 self.check_replicas()
         return pytree.tree_unflatten(list(flat), program.captured.out_spec)
@@ -215,6 +222,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
 
     def _stepper_for(self, args, kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        check_dtype_kinds(leaves, self.program.captured)     # before a step program is compiled for them
         key = program_key(True, leaves, spec)
         stepper = self._steppers.get(key)
         if stepper is None:     # a new batch shape (the last, short batch of an epoch): its own step program
@@ -223,7 +231,8 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             from autoshard.runtime.pipeline import PipelineModule
             pins = {r.name: r.spec.tp for r in self.program.params}
             start = time.perf_counter()
-            program = self._step_compiler(args, kwargs, pins)
+            with naming_new_shapes(leaves, self.program.captured):
+                program = self._step_compiler(args, kwargs, pins)
             stepper = PipelineModule(program, None, self.comms, params=self.params, buffer_source=self._step_buffer,
                                      device=self.device)
             stepper.bucket_bytes, stepper.first_bucket_bytes = self.bucket_bytes, self.first_bucket_bytes
@@ -267,6 +276,11 @@ class ParallelModule(training.TrainingMethods, nn.Module):
 
     def _held_buffers(self) -> dict:
         return {b: self._buffer(b) for b in self._buffer_names}
+
+
+def _scalar_loss(flat):
+    """The loss among a program's outputs: its first scalar floating tensor (None if it returns none)."""
+    return next((x for x in flat if isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point()), None)
 
 
 def _state_dict_names(module, state_dict, prefix, local_metadata):

@@ -22,15 +22,17 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autoshard.ir.options import dump_dir, pg_timeout_seconds, resolved_codegen
+from autoshard.ir.errors import InputError
+from autoshard.ir.options import check_finite_enabled, dump_dir, pg_timeout_seconds, resolved_codegen
 from autoshard.ir.pipeline import PipelineProgram
 from autoshard.ir.schedule import Kind
 from autoshard.ir.simulator import Timeline
 from autoshard.runtime import training
-from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch
+from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch, check_same_shapes_over_dp
 from autoshard.runtime.bind import bind
 from autoshard.runtime.comm import AxisComm
 from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer
+from autoshard.runtime.input_checks import check_dtype_kinds, check_inputs, naming_new_shapes
 from autoshard.runtime.executor import Denominator, PipelineError, Run, split_batch
 from autoshard.runtime.module import _load_state_dict_names, _state_dict_names, program_key
 from autoshard.runtime.program_cache import ProgramCache
@@ -197,11 +199,14 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         captured = self.program.captured
         leaves, spec = pytree.tree_flatten((args, kwargs))
         if spec != captured.in_spec:
-            raise TypeError(f"{what} got inputs of structure {spec}, but the pipeline was compiled for "
+            raise InputError(f"{what} got inputs of structure {spec}, but the pipeline was compiled for "
                             f"{captured.in_spec}: pass the same arguments (by the same keywords) as the example")
         if self._batch_checks < CHECKED_CALLS:      # tp and pp ranks given one batch (a data-loader slip)
             self._batch_checks += 1
             check_same_batch(self.comms, leaves, what)
+            if what == "pm.step":                   # and the replicas' training batches one shape
+                check_same_shapes_over_dp(self.comms, leaves, what)
+        check_inputs(captured.index_ranges, dict(zip(captured.user_input_names, (leaves[i] for i in captured.input_leaves))))
         micro = split_batch(leaves, self.schedule.microbatches, captured.example_leaves)
         return [dict(zip(captured.user_input_names, (mb[i] for i in captured.input_leaves))) for mb in micro]
 
@@ -220,6 +225,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
                                "torch.no_grad(); for a validation loss call pm.eval_batch(*batch) (eval mode, "
                                "no gradients)")
         args, kwargs = to_device((args, kwargs), self.device)
+        check_dtype_kinds(pytree.tree_leaves((args, kwargs)), self.program.captured)   # before any compile
         # after pm.eval(), as after model.eval() in torch: forward and backward without dropout
         twin = self._twin(args, kwargs, training=self.training)
         if twin is not self:        # eval mode, or another batch shape (an epoch's short last batch): its own program
@@ -240,6 +246,8 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         self.params.accumulate_step_grads(run.leaves)
         self._sum_tied_grads(saved_tied)       # after the dp sum: both are complete sums, in either order
         loss = self._global_loss(run)
+        if check_finite_enabled(self.program.options.check_finite):
+            training.check_finite(self, loss, self._steps + 1, grads=True)
         self._recorded, self._timeline = run.recorded(), None   # times only when asked: on a GPU that waits
         self._steps += 1
         if self._dump and self._steps <= 2:   # the first step warms up; the second is drawn over it
@@ -252,6 +260,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         kept. The eval program is compiled on first use (per batch shape), on the training program's
         stage cuts and placements, so it runs on the same parameter shards."""
         args, kwargs = to_device((args, kwargs), self.device)
+        check_dtype_kinds(pytree.tree_leaves((args, kwargs)), self.program.captured)
         twin = self._twin(args, kwargs, training=False)
         users = twin._microbatches(args, kwargs, "pm.eval_batch")
         with torch.no_grad():
@@ -289,7 +298,9 @@ class PipelineModule(training.TrainingMethods, nn.Module):
                 raise RuntimeError("another batch shape or eval mode needs the compiler: build the module with "
                                    "autoshard.parallelize")
             start = time.perf_counter()
-            program = compiler(self.program, args, kwargs, training)
+            with naming_new_shapes(pytree.tree_leaves((args, kwargs)), self.program.captured,
+                                   self.schedule.microbatches):
+                program = compiler(self.program, args, kwargs, training)
             mine = {c.index: c.param_names for c in self.program.own}
             if {c.index: c.param_names for c in program.own} != mine:
                 raise RuntimeError(f"the {'training' if training else 'eval'}-mode program for these inputs puts "

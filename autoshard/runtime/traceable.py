@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from autoshard.ir import ops
 from autoshard.runtime import collectives as C
+from autoshard.runtime.input_checks import check_range
 from autoshard.runtime.losses import vocab_parallel_embedding
 
 C10D = torch.ops._c10d_functional
@@ -80,6 +81,7 @@ def cross_entropy(logits, target, comm: FunctionalComm, start: int, valid: int, 
     """The vocab-parallel cross-entropy (``losses.VocabParallelCrossEntropy``'s semantics) of logits
     ``[rows, V/t]``, differentiable by autograd: the row max is a constant (it cancels), the sums over
     vocab shards go through ``g``."""
+    check_range(target, vocab, "label", ignore_index)
     x = logits.float()
     local = x.shape[1]
     row_max = comm.all_reduce(x[:, :valid].detach().amax(dim=1), op=dist.ReduceOp.MAX)
@@ -125,7 +127,7 @@ def _column_parallel_matmul(op, comm, x, weight, bias=None):
 
 
 def _vocab_parallel_embedding(op, comm, weight, idx):
-    return vocab_parallel_embedding(weight, idx, op.start, op.valid, op.padding_idx)
+    return vocab_parallel_embedding(weight, idx, op.start, op.valid, op.padding_idx, op.rows, op.module)
 
 
 def _vocab_parallel_cross_entropy(op, comm, logits, target):

@@ -12,6 +12,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from autoshard.ir.errors import InputError
 from autoshard.ir.placement import Shard
 from autoshard.runtime.comm import AxisComm, CommCounting, collective_device
 
@@ -66,6 +67,22 @@ def clip_grad_norm_(pm, max_norm: float, norm_type: float = 2.0, error_if_nonfin
         g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
         g.mul_(coef.to(g.dtype))
     return norm
+
+
+def check_finite(pm, loss, step: int, grads: bool) -> None:
+    """Raise on every rank, naming the step, if the loss (the same number on every rank) or, with
+    ``grads``, the global gradient norm (one all-reduce, the same everywhere) is NaN or inf: Megatron's
+    ``check_for_nan_in_loss_and_grad``. Every rank takes the same decision, so none is left in a
+    collective."""
+    if loss is not None and not bool(torch.isfinite(loss.detach()).all()):
+        raise FloatingPointError(f"step {step}: the loss is {float(loss.detach())} (non-finite): the run diverged or "
+                                 "a batch holds NaN/inf; lower the learning rate, clip gradients, check the data, or "
+                                 "resume from the last checkpoint")
+    if grads:
+        norm = total_norm(pm)
+        if not bool(torch.isfinite(norm)):
+            raise FloatingPointError(f"step {step}: the gradient norm is {float(norm)} (non-finite) with a finite loss: "
+                                     "some gradient overflowed; lower the learning rate or clip gradients")
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -172,7 +189,14 @@ class TrainingMethods(CommCounting):
         This is how a model built on ``meta`` gets its real weights."""
         missing = [n for n in self.params.records if n not in state_dict]
         if strict and missing:
-            raise ValueError(f"the state dict lacks parameters {missing}: pass strict=False to load the rest")
+            raise InputError(f"the state dict lacks parameters {missing}: pass strict=False to load the rest")
+        shapes = [f"'{n}': the state dict has shape {tuple(state_dict[n].shape)}, the model {tuple(r.global_shape)}"
+                  for n, r in self.params.records.items()
+                  if n in state_dict and tuple(state_dict[n].shape) != tuple(r.global_shape)]
+        if shapes:      # before anything is copied: a half-loaded model is worse than none
+            raise InputError(f"{shapes[0]}" + (f" (and {len(shapes) - 1} more)" if len(shapes) > 1 else "") +
+                             ": this state dict is of another model config; load it into a model built like the "
+                             "one that saved it")
         for name in self.params.records:
             if name in state_dict:
                 self.params.load_full(name, state_dict[name])
