@@ -78,32 +78,20 @@ def _hf(mesh="tp2", **example):
 
 
 # --- the cases ---------------------------------------------------------------------------------------------
-def label_too_large(mesh, tmp, **options):
-    pm, idx, tgt = _gpt(mesh, **options)
-    tgt = tgt.clone()
-    tgt[1, 3] = 1500
-    _train(pm, idx, tgt)
+def _one_bad_value(which: str, position: tuple, value: int):
+    """A case: the GPT's batch with one entry of the ids (``which="idx"``) or labels set to ``value``."""
+    def run(mesh, tmp, **options):
+        pm, idx, tgt = _gpt(mesh, **options)
+        batch_ = {"idx": idx.clone(), "tgt": tgt.clone()}
+        batch_[which][position] = value
+        _train(pm, batch_["idx"], batch_["tgt"])
+    return run
 
 
-def label_negative(mesh, tmp, **options):
-    pm, idx, tgt = _gpt(mesh, **options)
-    tgt = tgt.clone()
-    tgt[0, 5] = -7
-    _train(pm, idx, tgt)
-
-
-def id_too_large(mesh, tmp, **options):
-    pm, idx, tgt = _gpt(mesh, **options)
-    idx = idx.clone()
-    idx[2, 1] = 5000
-    _train(pm, idx, tgt)
-
-
-def id_negative(mesh, tmp, **options):
-    pm, idx, tgt = _gpt(mesh, **options)
-    idx = idx.clone()
-    idx[0, 0] = -1
-    _train(pm, idx, tgt)
+label_too_large = _one_bad_value("tgt", (1, 3), 1500)
+label_negative = _one_bad_value("tgt", (0, 5), -7)
+id_too_large = _one_bad_value("idx", (2, 1), 5000)
+id_negative = _one_bad_value("idx", (0, 0), -1)
 
 
 def float_ids(mesh, tmp):
