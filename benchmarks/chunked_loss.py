@@ -45,8 +45,10 @@ def _step(variant, h, w, target):
         loss = torch.nn.functional.cross_entropy(hl @ wl.t(), target)
     elif variant == "vocab_parallel":
         loss = VocabParallelCrossEntropy.apply(hl @ wl.t(), target, _One(), 0, w.shape[0], -100, 1, True)
-    else:
-        loss = ChunkedLinearCrossEntropy.apply(hl, wl, target, None, 0, w.shape[0], -100, 1, variant)
+    else:   # rows per chunk; "<rows>+kernel": each chunk's loss by kernels/cross_entropy.py
+        rows, _, kernel = str(variant).partition("+")
+        loss = ChunkedLinearCrossEntropy.apply(hl, wl, target, None, 0, w.shape[0], -100, 1, int(rows), True, None,
+                                               0.0, w.shape[0], True, None, (), bool(kernel))
     loss.backward()
     return float(loss.detach())
 
@@ -115,6 +117,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--hidden", type=int, default=768)
     ap.add_argument("--chunk", nargs="+", default=["auto"], help="rows per chunk: 'auto' and/or ints")
     ap.add_argument("--no-torch", action="store_true", help="leave out the F.cross_entropy row (the slowest)")
+    ap.add_argument("--kernel", action="store_true",
+                    help="also each chunk size with the Triton kernels for the loss (a GPU, or TRITON_INTERPRET=1)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=OUT)
@@ -122,6 +126,8 @@ def main(argv=None) -> dict:
     from autoshard.passes.chunk_loss import default_chunk
     auto = default_chunk(args.rows, args.vocab, args.hidden)
     chunks = list(dict.fromkeys(auto if c == "auto" else int(c) for c in args.chunk))
+    if args.kernel:
+        chunks += [f"{c}+kernel" for c in chunks]
     device = torch.device(args.device)
     res = run(args.rows, args.vocab, args.hidden, chunks, args.reps, device, not args.no_torch)
     base = res["vocab_parallel"]
@@ -138,7 +144,8 @@ def main(argv=None) -> dict:
         if abs(r["loss"] - base["loss"]) > 1e-4 * abs(base["loss"]):
             raise RuntimeError(f"the losses differ: unchunked {base['loss']}, chunk {c}: {r['loss']}")
         name = {"vocab_parallel": "unchunked (vocab-parallel loss, in place)",
-                "torch": "unchunked (F.cross_entropy, what tp=1 runs)"}.get(c, f"chunk {c}" + (" (auto)" if c == auto else ""))
+                "torch": "unchunked (F.cross_entropy, what tp=1 runs)"}.get(c, f"chunk {c}" + (" (auto)" if c == auto else "")
+                                                                      + (", Triton loss kernels" if "kernel" in str(c) else ""))
         mem_x = base["peak"] / max(r["peak"], 1)
         time_x = min(r["times"]) / min(base["times"])
         lines.append(f"| {name} | {r['peak'] / 2**20:.1f} | {mem_x:.2f} | {min(r['times']):.3f} | "

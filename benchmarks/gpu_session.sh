@@ -61,7 +61,7 @@ done
 rm -rf "$OUT/dp_tmp"
 
 echo "== chunked LM head + loss against unchunked (the dp=1 suspect), V=32000 H=1024 as the dp runs"
-timeout 90 "$PY" -m benchmarks.chunked_loss --rows 4096 --vocab 32000 --hidden 1024 --chunk auto 1024 4096 \
+timeout 90 "$PY" -m benchmarks.chunked_loss --rows 4096 --vocab 32000 --hidden 1024 --chunk auto 1024 4096 --kernel \
     --reps 5 --out "$OUT" > "$OUT/chunked_loss.log" 2>&1; grep -E "^\|" "$OUT/chunked_loss_results.md" 2>/dev/null | head -8
 
 echo "== fusion patterns"

@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from autoshard.ir import meta as M
 from autoshard.ir import ops
+from autoshard.passes.fusion import fusion_enabled
 from autoshard.passes.rules_vocab import cross_entropy_args
 
 aten = torch.ops.aten
@@ -127,7 +128,14 @@ def _head(gm, logits: fx.Node) -> tuple:
                              "casts, scales and a tanh soft cap alone")
 
 
-def _rewrite(gm, n, a, chunk_rows) -> ChunkedLoss:
+def _loss_kernels(options) -> bool:
+    """Whether each chunk's loss runs as ``kernels/cross_entropy.py``'s Triton kernels: with ``fuse=True``
+    only (and where fusion runs). ``"auto"`` keeps the composed ops until a GPU has timed the two
+    (``benchmarks.chunked_loss --kernel``, in ``make gpu-session``)."""
+    return options.fuse is True and fusion_enabled(options)[0]
+
+
+def _rewrite(gm, n, a, chunk_rows, kernel: bool = False) -> ChunkedLoss:
     if a["weight"] is not None:
         return ChunkedLoss(n.name, False, "class weights: the unchunked loss handles them")
     if a["reduction"] not in (1, 2):
@@ -161,7 +169,8 @@ def _rewrite(gm, n, a, chunk_rows) -> ChunkedLoss:
         op = ops.VocabParallelLinearCrossEntropy(
             "tp", a["size"], rows, hidden, a["start"], valid, a["ignore_index"], a["reduction"], chunk,
             label_smoothing=a["smoothing"], vocab=vocab, reduce_input_grad=fused_f, epilogue=epilogue,
-            out_dtype=val.dtype if isinstance(val, torch.Tensor) else None)
+            out_dtype=val.dtype if isinstance(val, torch.Tensor) else None,
+            kernel=kernel)
         name = f"chunked_cross_entropy_{sum(1 for _ in gm.named_children())}"
         gm.add_submodule(name, op)
         new = gm.graph.call_module(name, (h2, weight, a["target"]) + ((bias,) if bias is not None else ()))
@@ -193,7 +202,7 @@ def chunk_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for n in list(gm.graph.nodes):
         a = _loss_args(gm, n)
         if a is not None:
-            report.losses.append(_rewrite(gm, n, a, chunk_rows))
+            report.losses.append(_rewrite(gm, n, a, chunk_rows, _loss_kernels(ctx.options)))
     gm.graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()
     gm.recompile()

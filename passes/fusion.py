@@ -284,11 +284,16 @@ def _splice(gm: fx.GraphModule, built: _Built, name: str) -> fx.Node:
     return call
 
 
+def fusion_enabled(options) -> tuple:
+    """``(enabled, why)``: whether this program's kernels are autoshard's generated ones (``fuse`` on, and
+    not ``codegen="inductor"``, where Inductor writes them)."""
+    if resolved_codegen(options.codegen) == "inductor":
+        return False, "codegen='inductor': Inductor generates this program's kernels"
+    return _decide(options.fuse)
+
+
 def fuse_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    if resolved_codegen(ctx.options.codegen) == "inductor":
-        enabled, why = False, "codegen='inductor': Inductor generates this program's kernels"
-    else:
-        enabled, why = _decide(ctx.options.fuse)
+    enabled, why = fusion_enabled(ctx.options)
     report = FusionReport(enabled, why)
     gm.meta[M.FUSION_REPORT] = report
     if not enabled:

@@ -164,7 +164,8 @@ class VocabParallelLinearCrossEntropy(ParallelOp):
 
     def __init__(self, axis, size, rows: int, hidden: int, start: int, valid: int, ignore_index: int,
                  reduction: int, chunk: int, label_smoothing: float = 0.0, vocab: int | None = None,
-                 reduce_input_grad: bool = True, out_dtype: torch.dtype | None = None, epilogue: tuple = ()):
+                 reduce_input_grad: bool = True, out_dtype: torch.dtype | None = None, epilogue: tuple = (),
+                 kernel: bool = False):
         super().__init__(axis, size)
         if chunk < 1:
             raise ValueError(f"a chunked cross-entropy needs at least one row per chunk, got {chunk}")
@@ -174,6 +175,7 @@ class VocabParallelLinearCrossEntropy(ParallelOp):
         self.ignore_index, self.reduction, self.chunk = ignore_index, reduction, chunk
         self.label_smoothing, self.vocab = float(label_smoothing), vocab
         self.reduce_input_grad, self.out_dtype = reduce_input_grad, out_dtype
+        self.kernel = kernel     # each chunk's loss and gradient by kernels/cross_entropy.py (fuse on)
         self.epilogue = tuple(epilogue)   # (("div", 30.0), ("tanh", None), ("mul", 30.0)): Gemma 2's soft cap
 
     @property

@@ -44,7 +44,7 @@ def _vocab_parallel_linear_cross_entropy(op, comm, h, weight, target, bias=None)
     return ChunkedLinearCrossEntropy.apply(h, weight, target, comm if op.size > 1 else None, op.start, op.valid,
                                            op.ignore_index, op.reduction, op.chunk, torch.is_grad_enabled(),
                                            op.out_dtype, op.label_smoothing, op.vocab, op.reduce_input_grad, bias,
-                                           op.epilogue)
+                                           op.epilogue, op.kernel)
 
 
 def _vocab_parallel_logsumexp(op, comm, x):

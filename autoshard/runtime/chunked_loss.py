@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from autoshard.kernels import cross_entropy as fused_ce
 from autoshard.runtime.input_checks import check_range
 
 
@@ -74,10 +75,49 @@ def mixed_mm_works(device: torch.device) -> bool:
     return _MIXED_MM[kind]
 
 
+def _chunk_loss_composed(x, kept, epilogue, comm, valid, local_t, in_shard, hit, keep, scale, eps, vocab, want_grad):
+    """One chunk's per-row losses from its local logits ``x`` (fp32, overwritten), and when ``want_grad``,
+    ``x`` turned into the gradient at the head's output (through the epilogue): the composed torch ops."""
+    _epilogue_forward(x, epilogue, kept)
+    local_vocab = x.shape[1]
+    real = x
+    if valid < local_vocab:
+        x[:, valid:] = float("-inf")
+        real = x[:, :valid]
+    row_max = real.amax(dim=1) if valid else x.new_full((x.shape[0],), float("-inf"))
+    if comm is not None:
+        row_max = comm.all_reduce(row_max, "fwd", op=dist.ReduceOp.MAX)
+    x.sub_(row_max.unsqueeze(1))
+    lt = local_t.unsqueeze(1)
+    # where, not a product: a -inf logit on a rank that does not hold the target must not make NaN
+    stats = [torch.where(in_shard, x.gather(1, lt).squeeze(1), 0.0)]
+    if eps:  # the row sum of the (shifted) real logits, before exp_ overwrites them
+        stats.append(real.sum(dim=1))
+    exp = x.exp_()
+    stats = torch.stack([exp.sum(dim=1)] + stats)
+    if comm is not None:
+        stats = comm.all_reduce(stats, "fwd")
+    lse = stats[0].log()           # of the shifted row: the row max cancels in every term
+    loss = lse - stats[1]
+    if eps:
+        loss = (1.0 - eps) * loss + eps * (lse - stats[2] / vocab)
+    loss = torch.where(keep, loss, 0.0)
+    if not want_grad:
+        return loss, None
+    # (softmax - (1 - eps) onehot - eps / V) * scale in place: exp * (scale / sum of exps) first
+    grad = exp.mul_((scale / stats[0]).unsqueeze(1))
+    grad.scatter_add_(1, lt, -((1.0 - eps) * hit * scale).unsqueeze(1))
+    if eps:  # the uniform target: real columns only
+        grad[:, :valid].sub_((eps / vocab * scale).unsqueeze(1))
+    _epilogue_backward(grad, epilogue, kept)   # to the head's output
+    return loss, grad
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """``apply(h [rows, H], weight [V/t, H], target [rows], comm, start, valid, ignore_index, reduction,
     chunk, grad_enabled, out_dtype, label_smoothing, vocab, reduce_input_grad, bias [V/t] or None,
-    epilogue)``: the arguments of ``ir.ops.VocabParallelLinearCrossEntropy``. ``epilogue`` is the pointwise
+    epilogue, kernel)``: the arguments of ``ir.ops.VocabParallelLinearCrossEntropy``; ``kernel``: each chunk's
+    loss and gradient by ``kernels/cross_entropy.py`` where it can run. ``epilogue`` is the pointwise
     steps from the head's output to the loss's logits (``("mul", c)``, ``("div", c)``, ``("tanh", None)``),
     applied to each chunk in fp32; backward multiplies by their derivatives, the tanh's from its output
     kept for the chunk. ``grad_enabled`` is the caller's grad mode:
@@ -87,7 +127,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, target, comm, start: int, valid: int, ignore_index: int, reduction: int,
                 chunk: int, grad_enabled: bool = True, out_dtype=None, label_smoothing: float = 0.0,
-                vocab: int | None = None, reduce_input_grad: bool = True, bias=None, epilogue: tuple = ()):
+                vocab: int | None = None, reduce_input_grad: bool = True, bias=None, epilogue: tuple = (),
+                kernel: bool = False):
         out_dtype = out_dtype or h.dtype    # fp32 when the model cast its logits (HF's logits.float())
         if h.is_meta:
             return h.new_empty((), dtype=out_dtype)
@@ -96,6 +137,9 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             raise ValueError("a label-smoothed chunked cross-entropy needs the global vocab size")
         check_range(target, vocab, "label", ignore_index)
         rows, local_vocab = h.shape[0], weight.shape[0]
+        # the Triton kernels for the loss of each chunk where asked (fuse on) and they run here; a chunk with
+        # an epilogue (a tanh soft cap) keeps the composed ops, which carry its derivative
+        use_kernel = kernel and not epilogue and fused_ce.available(h.device)
         want_h, want_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         want_b = bias is not None and grad_enabled and ctx.needs_input_grad[14]     # bias: the 15th input
         keep = target != ignore_index
@@ -126,38 +170,17 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 mm = torch.mm(hc, weight.t(), out=low[: e - s]) if bias is None else \
                     torch.addmm(bias, hc, weight.t(), out=low[: e - s])
                 x.copy_(mm)
-            _epilogue_forward(x, epilogue, kept)
-            real = x
-            if valid < local_vocab:
-                x[:, valid:] = float("-inf")
-                real = x[:, :valid]
-            row_max = real.amax(dim=1) if valid else x.new_full((e - s,), float("-inf"))
-            if comm is not None:
-                row_max = comm.all_reduce(row_max, "fwd", op=dist.ReduceOp.MAX)
-            x.sub_(row_max.unsqueeze(1))
-            lt = local_t[s:e].unsqueeze(1)
-            # where, not a product: a -inf logit on a rank that does not hold the target must not make NaN
-            stats = [torch.where(in_shard[s:e], x.gather(1, lt).squeeze(1), 0.0)]
-            if eps:  # the row sum of the (shifted) real logits, before exp_ overwrites them
-                stats.append(real.sum(dim=1))
-            exp = x.exp_()
-            stats = torch.stack([exp.sum(dim=1)] + stats)
-            if comm is not None:
-                stats = comm.all_reduce(stats, "fwd")
-            lse = stats[0].log()           # of the shifted row: the row max cancels in every term
-            loss = lse - stats[1]
-            if eps:
-                loss = (1.0 - eps) * loss + eps * (lse - stats[2] / vocab)
-            losses[s:e] = torch.where(keep[s:e], loss, 0.0)
+            sl = slice(s, e)
+            if use_kernel:   # kernels/cross_entropy.py: two passes over the chunk instead of ~ten ops
+                losses[sl], _ = fused_ce.chunk_loss_and_grad(x, target[sl], comm, start, valid, ignore_index,
+                                                             scale[sl], eps, vocab, want_h or want_w or want_b)
+                grad = x
+            else:
+                losses[sl], grad = _chunk_loss_composed(x, kept, epilogue, comm, valid, local_t[sl], in_shard[sl],
+                                                        hit[sl], keep[sl], scale[sl], eps, vocab,
+                                                        want_h or want_w or want_b)
             if not (want_h or want_w or want_b):
                 continue
-            # (softmax - (1 - eps) onehot - eps / V) * scale in place: exp * (scale / sum of exps) first
-            row_scale = scale[s:e]
-            grad = exp.mul_((row_scale / stats[0]).unsqueeze(1))
-            grad.scatter_add_(1, lt, -((1.0 - eps) * hit[s:e] * row_scale).unsqueeze(1))
-            if eps:  # the uniform target: real columns only
-                grad[:, :valid].sub_((eps / vocab * row_scale).unsqueeze(1))
-            _epilogue_backward(grad, epilogue, kept)   # to the head's output
             mixed = low is not None and want_w and mixed_mm_works(h.device)
             if want_h or mixed:  # in h's dtype, as the head's matmul backward computes it
                 g = grad if low is None else low[: e - s].copy_(grad)
@@ -202,4 +225,4 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         if ctx.has[2]:
             db = saved.pop(0)
             db = (db if one else db * g.float()).to(ctx.b_dtype)
-        return (dh, dw) + (None,) * 12 + (db, None)
+        return (dh, dw) + (None,) * 12 + (db, None, None)
