@@ -37,16 +37,31 @@ def _input_behind(node, ignore_index=None):
         if node.op != "call_function":
             return None
         packet = getattr(node.target, "overloadpacket", None)
-        if packet is aten._to_copy and node.kwargs.get("dtype", torch.int64) in (torch.int64, torch.int32):
+        if packet in (aten._to_copy, aten.to) and \
+                node.kwargs.get("dtype", torch.int64) in (torch.int64, torch.int32) and \
+                not any(isinstance(a, torch.dtype) and a not in (torch.int64, torch.int32) for a in node.args[1:]):
             node = node.args[0]
-        elif packet is aten.constant_pad_nd and ignore_index is not None and \
-                (node.args[2] if len(node.args) > 2 else 0) == ignore_index:
+        elif _pads_with(node, packet, ignore_index):
             node = node.args[0]          # padded with ignore_index: still only the input's values and skips
         elif packet in _SAME_VALUES:
             node = node.args[0]
         else:
             return None
     return None
+
+
+def _pads_with(node, packet, value) -> bool:
+    """Whether ``node`` pads its input with the constant ``value`` (HF's ``F.pad(labels, (0, 1),
+    value=ignore_index)``, captured as ``constant_pad_nd`` or ``pad(..., "constant", value)``)."""
+    if value is None:
+        return False
+    if packet is aten.constant_pad_nd:
+        return (node.args[2] if len(node.args) > 2 else 0) == value
+    if packet is aten.pad:
+        mode = node.args[2] if len(node.args) > 2 else node.kwargs.get("mode", "constant")
+        fill = node.args[3] if len(node.args) > 3 else node.kwargs.get("value", 0)
+        return mode == "constant" and fill is not None and fill == value
+    return False
 
 
 def _ignore_index(node) -> int:

@@ -113,6 +113,21 @@ def labels_of_another_shape(mesh, tmp):
     _train(pm, idx, torch.cat([tgt, tgt[:, :1]], dim=1))
 
 
+def hf_label_too_large(mesh, tmp):
+    """HF's loss pads the labels with ignore_index and shifts them: still the labels' own values."""
+    if MESHES[mesh].get("pp", 1) > 1:
+        model = build("hf", vocab_size=HF_VOCAB)
+        _, kw = batch("hf", HF_VOCAB, B=4, T=8)
+        pm = autoshard.parallelize(model, autoshard.init_mesh(**MESHES[mesh]), (), kw, microbatches=2)
+        kw["labels"][3, 2] = 777
+        pm.step(**kw)
+        return
+    pm, kw = _hf(mesh)
+    kw["labels"] = kw["labels"].clone()
+    kw["labels"][1, 2] = 777
+    pm(**kw).loss.backward()
+
+
 def hf_labels_of_another_shape(mesh, tmp):
     pm, kw = _hf(mesh)
     kw = dict(kw, labels=kw["labels"][:, :5])
@@ -244,6 +259,7 @@ CASES = [
     Case("float token ids", float_ids, r"float32.*int64|int64.*float32"),
     Case("int64 inputs_embeds (a float input)", int_embeds, r"inputs_embeds.*int64.*float32"),
     Case("labels of another shape than the ids", labels_of_another_shape, r"targets.*\(4, 9\)|\(4, 9\).*targets"),
+    Case("HF: a label >= vocab", hf_label_too_large, r"label 777 at position \(\d, 2\) of 'labels'", ("tp2", "pp2")),
     Case("HF labels of another shape", hf_labels_of_another_shape, r"labels.*\(2, 5\)|\(2, 5\).*labels"),
     Case("an attention mask of the wrong length", mask_of_wrong_length, r"attention_mask.*\(2, 6\)|\(2, 6\).*attention_mask"),
     Case("a sequence longer than the position table", sequence_longer_than_positions, r"\(4, 40\).*16 rows",
@@ -307,6 +323,16 @@ def test_bad_input_is_a_clear_error_on_every_rank(case_index, mesh):
         assert r["raised"] not in INTERNAL, f"rank {rank}: {case.name} raised an internal {r['raised']}: {r['first']}"
         assert re.search(case.cause, r["first"]), f"rank {rank}: {case.name}: the first line does not name the " \
                                                   f"cause: {r['raised']}: {r['first']}"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt", "llama", "falcon"])
+def test_the_compiler_finds_the_ids_and_labels_of_hf_models(family):
+    """HF's loss pads the labels with ignore_index, shifts and casts them: still found as the labels."""
+    from tests import families
+    cfg = families.FamilyConfig(family=family)
+    prog = autoshard.compile_rank(families.build(cfg), {"tp": 2}, 0, (), families.batch(cfg.vocab))
+    found = {(r.input, r.what, r.size, r.ignore_index) for r in prog.captured.index_ranges}
+    assert ("input_ids", "token id", cfg.vocab, None) in found and ("labels", "label", cfg.vocab, -100) in found, found
 
 
 if __name__ == "__main__":   # the table of every case's first line (for the issue's closing note)

@@ -29,20 +29,30 @@ def _kind(dtype: torch.dtype) -> str:
         "complex" if dtype.is_complex else "integer"
 
 
+def _refused(got: torch.dtype, compiled: torch.dtype, index: bool) -> bool:
+    """Whether a call's dtype is the wrong kind: an index input (token ids, labels) that is not an integer
+    (torch's embedding and losses refuse them), or a floating input (embeddings, features) given as
+    integers or booleans. Masks may switch between bool, int and float, as HF accepts them all."""
+    if index:
+        return _kind(got) != "integer"
+    return _kind(compiled) in ("floating", "complex") and _kind(got) in ("integer", "bool")
+
+
 def check_dtype_kinds(leaves: list, captured) -> None:
-    """A tensor of another kind (integer, floating, bool) than the first program's example at the same
-    place is an error naming the input, before a program is compiled for it: float token ids, or int64
-    ``inputs_embeds``, would otherwise compile a new program and fail deep inside the model's trace (or
-    worse, run). Another dtype of the same kind (bf16 for fp32 activations) compiles its own program."""
+    """A tensor of the wrong kind for its place is an error naming the input, before a program is compiled
+    for it (``_refused``): float token ids, or int64 ``inputs_embeds``, would otherwise compile a new
+    program and fail deep inside the model's trace, or run. Another dtype of an accepted kind (bf16 for
+    fp32 activations, a bool mask for an int one) compiles its own program."""
     examples = captured.example_leaves
     if len(leaves) != len(examples):
         return          # another structure: the program lookup names it
     names = dict(zip(captured.input_leaves, captured.user_input_names))
+    indices = {r.input for r in captured.index_ranges}
     for i, (x, ex) in enumerate(zip(leaves, examples)):
         if not (isinstance(x, torch.Tensor) and isinstance(ex, tuple) and len(ex) == 2
                 and isinstance(ex[1], torch.dtype)):
             continue
-        if _kind(x.dtype) != _kind(ex[1]):
+        if _kind(x.dtype) != _kind(ex[1]) and _refused(x.dtype, ex[1], names.get(i) in indices):
             name = f"'{names[i]}'" if i in names else f"input {i}"
             raise InputError(f"{name} is {str(x.dtype).replace('torch.', '')}, but the model was compiled with "
                              f"{str(ex[1]).replace('torch.', '')} there ({_kind(ex[1])}, not {_kind(x.dtype)}): pass "
