@@ -97,6 +97,7 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
     late = options.pop("late_receives", False)      # NCCL's semantics on gloo: each receive posted at its action,
                                                     # one work per batch, a group's batches run in order
     bucket = options.pop("bucket_bytes", None)      # dp buckets of this size, the first too (many all-reduces)
+    fused = options.pop("fused", False)             # AdamW(fused=True) on both sides (runtime/fused_optim.py)
     model, vocab = build_model(kind, cfg)
     ref = copy.deepcopy(model)
     dp = mesh.get("dp", 1)            # each dp rank steps on its rows of a global batch of B * dp
@@ -121,9 +122,9 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
         assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want)), (float(got), float(want))
         pm.train()
         ref.train()
-    opt = pm.optimizer(torch.optim.AdamW, lr=1e-2, eps=1e-4) if zero else \
-        torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-4)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
+    opt = pm.optimizer(torch.optim.AdamW, lr=1e-2, eps=1e-4, fused=fused) if zero else \
+        torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-4, fused=fused)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4, fused=fused)
     losses, grads, norms = [], [], []
     for step in range(steps):
         loss = rloss = 0.0

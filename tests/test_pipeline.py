@@ -43,6 +43,7 @@ DATA_PARALLEL = [   # (dp, pp, tp) on 4 ranks; each dp rank steps on its own row
     ("gpt", dict(dp=2, pp=2), dict(microbatches=2, accumulate=True), GPT),  # two pm.step per optimizer step
     ("gpt", dict(dp=2, pp=2), dict(microbatches=2, schedule="interleaved", virtual_stages=2, recompute=True),
      GPT),   # 2 bucket sets; every layer recomputed in backward
+    ("gpt", dict(dp=2, tp=2), dict(microbatches=2, zero=1, fused=True), dict(n_layer=2)),  # fused AdamW, ZeRO-1
     ("family", dict(dp=2, tp=2), dict(microbatches=2, zero=1),   # ZeRO-1 on a q|k|v held in rank order
      dict(family="phi3", kv_heads=2, layers=2, hidden=64, heads=4, vocab=97)),
 ]
