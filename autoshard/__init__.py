@@ -1,4 +1,5 @@
-"""autoshard: compile a plain single-device GPT into a Megatron-style tensor-parallel program.
+"""autoshard: compile a plain single-device GPT into a Megatron-style 3D-parallel (tensor, pipeline and
+data parallel) training program.
 
     mesh = autoshard.init_mesh(tp=2)                       # under torchrun
     pm = autoshard.parallelize(model, mesh, example_args=(idx, targets))

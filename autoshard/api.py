@@ -331,7 +331,7 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
                 zero: int = 0, fuse: bool | str = "auto", loss_chunk_rows="auto", recompute: bool | str = "auto",
                 loss_fn=None, codegen: str = "auto", check_finite: bool | None = None,
                 options: CompileOptions | None = None):
-    """Tensor-parallel ``model`` over ``mesh["tp"]``: an ``nn.Module`` holding this rank's shards.
+    """``model`` parallelized over ``mesh`` (its tp, pp and dp axes): an ``nn.Module`` holding this rank's shards.
 
     ``example_args``/``example_kwargs`` are traced first; other shapes, and the other of train/eval
     mode, compile their own program on first use (at most ``max_programs`` are kept). ``pins`` maps

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported: kernels run on CPU
+# before triton is imported: triton reads it once, at import, so it holds for the whole pytest run (a
+# fixture would come too late for modules imported at collection)
+os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -62,7 +64,7 @@ def test_fp32_forward_and_backward_match_eager(pattern):
     grads = [torch.randn_like(o) for o in ref]
     torch.autograd.backward(out, grads)
     torch.autograd.backward(ref, grads)
-    for a, e in zip(leaves, refs):
+    for a, e in zip(leaves, refs, strict=True):
         if e.grad is not None:
             torch.testing.assert_close(a.grad, e.grad, atol=1e-5, rtol=1e-5)
 
@@ -374,12 +376,12 @@ def test_fused_pipeline_stages_match_unfused():
 # cases a review found wrong (each against eager, values and gradients)
 
 
-def _against_eager(fn, ins, grad_of_sum=False):
-    group = compile_group(fn, ins, "case")
+def _against_eager(fn, ins, grad_of_sum=False, group=None):
+    group = group or compile_group(fn, ins, "case")
     leaves = [x.clone().requires_grad_(x.is_floating_point()) for x in ins]
     refs = [x.clone().requires_grad_(x.is_floating_point()) for x in ins]
     out, ref = group(*leaves), fn(*refs)
-    for o, e in zip(out, ref):
+    for o, e in zip(out, ref, strict=True):
         torch.testing.assert_close(o, e, atol=1e-5, rtol=1e-5)
     if grad_of_sum:                 # the incoming gradient is an expand (stride 0)
         sum(o.sum() for o in out if o.is_floating_point()).backward()
@@ -402,7 +404,12 @@ def test_a_gradient_from_sum_compiles_no_new_variant():
     def fn(x, r, w):
         y = x + r
         return y, F.layer_norm(y, (7,), w)
-    _against_eager(fn, [torch.randn(3, 7), torch.randn(3, 7), torch.randn(7)], grad_of_sum=True)
+    ins = [torch.randn(3, 7), torch.randn(3, 7), torch.randn(7)]
+    group = compile_group(fn, ins, "case")
+    _against_eager(fn, ins, group=group)                          # contiguous incoming gradients
+    variants = len(group.backward_kernels.kernels)
+    _against_eager(fn, ins, grad_of_sum=True, group=group)        # expanded ones (stride 0)
+    assert len(group.backward_kernels.kernels) == variants, "a gradient from sum() compiled another variant"
 
 
 def test_alpha_casts_and_bool_arithmetic():

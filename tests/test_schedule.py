@@ -55,7 +55,7 @@ def test_every_microbatch_forwarded_and_backwarded_once_per_stage(gen, pp, m, v)
         assert sorted((a.stage, a.microbatch) for a in done) == [(st, i) for st in range(pp * v) for i in range(m)]
     for r in range(pp):  # each rank runs only its own stages: r, r + pp, ...
         assert {a.stage for a in s.actions[r]} == set(s.stages_of(r)) == set(range(r, pp * v, pp))
-        assert all(s.stage_of_rank(st) == r for st in s.stages_of(r))
+        assert all(s.rank_of(st) == r for st in s.stages_of(r))
     validate(s)
 
 

@@ -74,7 +74,6 @@ class Schedule:
         """The rank holding ``stage``: Megatron's interleaved placement (round-robin over ranks)."""
         return stage % self.pp
 
-    stage_of_rank = rank_of  # the name the pipeline issue uses
 
     def stages_of(self, rank: int) -> list[int]:
         return list(range(rank, self.num_stages, self.pp))

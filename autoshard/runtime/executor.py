@@ -18,7 +18,6 @@ this rank, naming the peer, so every rank exits with an error within the timeout
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,10 +26,6 @@ import torch.nn as nn
 from autoshard.ir.schedule import Action, Kind
 from autoshard.ir.simulator import Span
 from autoshard.runtime.clock import Recorded, StepClock
-
-if TYPE_CHECKING:
-    from autoshard.runtime.pipeline import PipelineModule
-
 
 class PipelineError(RuntimeError):
     """A pipeline transfer failed or timed out: a peer rank raised, died or is stuck."""

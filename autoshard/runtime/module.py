@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,24 +29,10 @@ from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
 from autoshard.runtime.input_checks import check_dtype_kinds, check_inputs, naming_new_shapes
 from autoshard.runtime.device import mesh_device, owned, owned_constant, to_device
 from autoshard.runtime.params import ShardedParameters, model_buffers
-from autoshard.runtime.program_cache import ProgramCache
+from autoshard.runtime.pipeline import PipelineModule
+from autoshard.runtime.program_cache import ProgramCache, ProgramKey, program_key
 
 log = logging.getLogger("autoshard")
-
-
-@dataclass(frozen=True)
-class ProgramKey:
-    """What a compiled program is specific to. ``requires_grad`` is part of it: whether a floating input
-    needs a gradient decides whether the program all-reduces that gradient (Megatron's f)."""
-    training: bool
-    inputs: tuple         # per flattened leaf: (shape, dtype, requires_grad) of a tensor, or the value itself
-    structure: str        # the pytree spec of (args, kwargs)
-
-
-def program_key(training: bool, leaves, spec) -> ProgramKey:
-    sig = tuple((tuple(x.shape), x.dtype, bool(x.requires_grad)) if isinstance(x, torch.Tensor) else x
-                for x in leaves)
-    return ProgramKey(bool(training), sig, str(spec))
 
 
 class ParallelModule(training.TrainingMethods, nn.Module):
@@ -96,8 +81,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
                     else leaf for leaf, rg in zip(captured.example_leaves, captured.example_requires_grad))
         self._first = program
         self._add(ProgramKey(bool(model.training), sig, str(captured.in_spec)), program)
-        self._register_state_dict_hook(_state_dict_names)
-        self._register_load_state_dict_pre_hook(_load_state_dict_names, with_module=True)
+        training.register_state_dict_names(self)
 
     # --- programs -------------------------------------------------------------------------------------
     @property
@@ -228,7 +212,6 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         if stepper is None:     # a new batch shape (the last, short batch of an epoch): its own step program
             if self._step_compiler is None:
                 raise RuntimeError("pm.step needs the compiler: build the module with autoshard.parallelize")
-            from autoshard.runtime.pipeline import PipelineModule
             pins = {r.name: r.spec.tp for r in self.program.params}
             start = time.perf_counter()
             with naming_new_shapes(leaves, self.program.captured):
@@ -281,27 +264,3 @@ class ParallelModule(training.TrainingMethods, nn.Module):
 def _scalar_loss(flat):
     """The loss among a program's outputs: its first scalar floating tensor (None if it returns none)."""
     return next((x for x in flat if isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point()), None)
-
-
-def _state_dict_names(module, state_dict, prefix, local_metadata):
-    """``pm.state_dict()`` uses the model's own names (``params.shards.p3`` -> ``transformer.wte.weight``,
-    ``b0`` -> the buffer's name), and shows ``torch.distributed.checkpoint`` only rectangular chunks
-    (``params.checkpoint_view``)."""
-    for k in list(state_dict):
-        rest = k[len(prefix):] if k.startswith(prefix) else None
-        if rest is not None and rest.startswith("params.shards."):
-            name = module.params.names[rest[len("params.shards."):]]
-            state_dict[prefix + name] = module.params.checkpoint_view(name, state_dict.pop(k))
-        elif rest is not None and rest[:1] == "b" and rest[1:].isdigit():
-            state_dict[prefix + module._buffer_names[int(rest[1:])]] = state_dict.pop(k)
-    return state_dict
-
-
-def _load_state_dict_names(module, state_dict, prefix, *args):
-    for name, k in module.params.keys.items():
-        if prefix + name in state_dict:
-            value = module.params.from_checkpoint_view(name, state_dict.pop(prefix + name))
-            state_dict[prefix + "params.shards." + k] = value
-    for i, b in enumerate(module._buffer_names):
-        if prefix + b in state_dict:
-            state_dict[prefix + f"b{i}"] = state_dict.pop(prefix + b)

@@ -34,8 +34,7 @@ from autoshard.runtime.comm import AxisComm
 from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES, GradReducer
 from autoshard.runtime.input_checks import check_dtype_kinds, check_inputs, naming_new_shapes
 from autoshard.runtime.executor import Denominator, PipelineError, Run, split_batch
-from autoshard.runtime.module import _load_state_dict_names, _state_dict_names, program_key
-from autoshard.runtime.program_cache import ProgramCache
+from autoshard.runtime.program_cache import ProgramCache, program_key
 from autoshard.runtime.device import mesh_device, owned, owned_constant, to_device
 from autoshard.runtime.params import ShardedParameters, model_buffers
 
@@ -114,8 +113,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         if model is not None:
             training.check_same_weights(model, "parallelize", program.mesh.size)   # stages, replicas, tied copies
         # state_dict() with the model's own names, as ParallelModule's (this rank's stages only)
-        self._register_state_dict_hook(_state_dict_names)
-        self._register_load_state_dict_pre_hook(_load_state_dict_names, with_module=True)
+        training.register_state_dict_names(self)
 
     def forward(self, *args, **kwargs):
         raise TypeError("a pipelined model runs whole batches: call pm.step(*batch) (forward and backward over the "

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
+
+import torch
 
 log = logging.getLogger("autoshard")
 
@@ -66,3 +69,18 @@ class ProgramCache(Generic[V]):
 
     def values(self) -> list[V]:
         return list(self._entries.values())
+
+
+@dataclass(frozen=True)
+class ProgramKey:
+    """What a compiled program is specific to. ``requires_grad`` is part of it: whether a floating input
+    needs a gradient decides whether the program all-reduces that gradient (Megatron's f)."""
+    training: bool
+    inputs: tuple         # per flattened leaf: (shape, dtype, requires_grad) of a tensor, or the value itself
+    structure: str        # the pytree spec of (args, kwargs)
+
+
+def program_key(training: bool, leaves, spec) -> ProgramKey:
+    sig = tuple((tuple(x.shape), x.dtype, bool(x.requires_grad)) if isinstance(x, torch.Tensor) else x
+                for x in leaves)
+    return ProgramKey(bool(training), sig, str(spec))

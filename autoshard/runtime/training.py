@@ -3,7 +3,7 @@
 Both work on local tensors and this rank's communicators, so they hold on any mesh (and in the thread
 simulator). ``torch.nn.utils.clip_grad_norm_(pm.parameters(), ...)`` gives the same norm on a real mesh,
 where the parameters are DTensors; ``pm.clip_grad_norm_`` is the form that also covers what plain torch
-cannot see (norms over pipeline stages once those land).
+cannot see (the norm over every pipeline stage, a tied weight's two copies counted once).
 """
 from __future__ import annotations
 
@@ -226,3 +226,34 @@ class TrainingMethods(CommCounting):
         return optimizer_class([{"params": [local[n] for n in names], **options}
                                 for names, options in group_names(params, local, self.model_parameter_names())],
                                **defaults)
+
+
+def register_state_dict_names(module) -> None:
+    """``state_dict()`` and ``load_state_dict()`` of a ``ParallelModule`` or ``PipelineModule`` under the
+    model's own names (both hold ``params`` and buffers registered as ``b0``, ``b1``, ...)."""
+    module._register_state_dict_hook(_state_dict_names)
+    module._register_load_state_dict_pre_hook(_load_state_dict_names, with_module=True)
+
+
+def _state_dict_names(module, state_dict, prefix, local_metadata):
+    """``pm.state_dict()`` uses the model's own names (``params.shards.p3`` -> ``transformer.wte.weight``,
+    ``b0`` -> the buffer's name), and shows ``torch.distributed.checkpoint`` only rectangular chunks
+    (``params.checkpoint_view``)."""
+    for k in list(state_dict):
+        rest = k[len(prefix):] if k.startswith(prefix) else None
+        if rest is not None and rest.startswith("params.shards."):
+            name = module.params.names[rest[len("params.shards."):]]
+            state_dict[prefix + name] = module.params.checkpoint_view(name, state_dict.pop(k))
+        elif rest is not None and rest[:1] == "b" and rest[1:].isdigit():
+            state_dict[prefix + module._buffer_names[int(rest[1:])]] = state_dict.pop(k)
+    return state_dict
+
+
+def _load_state_dict_names(module, state_dict, prefix, *args):
+    for name, k in module.params.keys.items():
+        if prefix + name in state_dict:
+            value = module.params.from_checkpoint_view(name, state_dict.pop(prefix + name))
+            state_dict[prefix + "params.shards." + k] = value
+    for i, b in enumerate(module._buffer_names):
+        if prefix + b in state_dict:
+            state_dict[prefix + f"b{i}"] = state_dict.pop(prefix + b)
