@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autoshard.ir import meta as M
-from autoshard.ir.options import CompileOptions, PipelineOptions, dump_dir
+from autoshard.ir.options import CompileOptions, PipelineOptions, dump_dir, options_from_keywords
 from autoshard.ir.pipeline import LOSS_REWRITE, STAGE_PLAN, PipelineProgram
 from autoshard.ir.program import Captured, Program
 from autoshard.ir.schedule import add_communication, validate
@@ -166,21 +166,11 @@ def _rank_dump_dir(options: CompileOptions, rank: int) -> str | None:
     return f"{out}/rank{rank}" if out and rank != 0 else out
 
 
-def compile_options(*, pins: dict | None = None, loss_only: bool = False, dump: str | None = None,
-                    cost_model=None, disable=(), mixed_precision: str | None = None, microbatches: int | None = None,
-                    schedule: str = "1f1b", virtual_stages: int = 1, pipeline_cuts=None, memory_limit=None,
-                    zero: int = 0, fuse: bool | str = "auto", loss_chunk_rows="auto", recompute: bool | str = "auto",
-                    loss_fn=None, codegen: str = "auto", check_finite: bool | None = None) -> CompileOptions:
+def compile_options(**keywords) -> CompileOptions:
     """The one ``CompileOptions`` that ``parallelize``'s keywords (documented there) describe; the
     compile-only entry points take the same keywords, so a dump made without processes is the program
-    ``parallelize`` would run."""
-    options = CompileOptions(pins=pins or {}, loss_only=loss_only, dump=dump, disable=disable,
-                             mixed_precision=mixed_precision, fuse=fuse, loss_chunk_rows=loss_chunk_rows,
-                             recompute=recompute, loss_fn=loss_fn, codegen=codegen, check_finite=check_finite)
-    if cost_model is not None:
-        options.cost_model = cost_model
-    options.pipeline = PipelineOptions(microbatches or 1, schedule, virtual_stages, pipeline_cuts, memory_limit, zero)
-    return options
+    ``parallelize`` would run (``ir/options.py:options_from_keywords``: the keywords are its fields)."""
+    return options_from_keywords(**keywords)
 
 
 def _options(options: CompileOptions | None, keywords: dict, entry: str) -> CompileOptions | None:
@@ -324,13 +314,8 @@ def _p2p_groups(spec, rank: int) -> dict:
     return _pp_groups(spec, rank, sorted({(r, (r + 1) % pp) for r in range(pp)} | {((r + 1) % pp, r) for r in range(pp)}))
 
 
-def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *, pins: dict | None = None,
-                loss_only: bool = False, dump: str | None = None, cost_model=None, disable=(),
-                mixed_precision: str | None = None, max_programs: int = 8, microbatches: int | None = None,
-                schedule: str = "1f1b", virtual_stages: int = 1, pipeline_cuts=None, memory_limit=None,
-                zero: int = 0, fuse: bool | str = "auto", loss_chunk_rows="auto", recompute: bool | str = "auto",
-                loss_fn=None, codegen: str = "auto", check_finite: bool | None = None,
-                options: CompileOptions | None = None):
+def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *, max_programs: int = 8,
+                options: CompileOptions | None = None, **keywords):
     """``model`` parallelized over ``mesh`` (its tp, pp and dp axes): an ``nn.Module`` holding this rank's shards.
 
     ``example_args``/``example_kwargs`` are traced first; other shapes, and the other of train/eval
@@ -371,13 +356,7 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     model that returns logits: pass ``{"target": y}`` in ``example_kwargs`` and ``pm.step(x, target=y)``.
     """
     spec = mesh_spec(mesh)
-    if options is None:
-        options = compile_options(pins=pins, loss_only=loss_only, dump=dump, cost_model=cost_model, disable=disable,
-                                  mixed_precision=mixed_precision, microbatches=microbatches, schedule=schedule,
-                                  virtual_stages=virtual_stages, pipeline_cuts=pipeline_cuts,
-                                  memory_limit=memory_limit, zero=zero, fuse=fuse, loss_chunk_rows=loss_chunk_rows,
-                                  recompute=recompute, loss_fn=loss_fn, codegen=codegen,
-                                  check_finite=check_finite)
+    options = _options(options, keywords, "parallelize") or compile_options()
     real_mesh = hasattr(mesh, "get_group")
     if spec.size > 1 and not real_mesh:
         raise ValueError("parallelize needs a DeviceMesh from autoshard.init_mesh for more than one rank; "

@@ -12,7 +12,6 @@ import functools
 import os
 import re
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field

@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 def dump_dir(explicit: str | None) -> str | None:
@@ -170,3 +170,31 @@ class CompileOptions:
         if not (rows is None or rows == "auto" or (isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0)):
             raise ValueError(f"loss_chunk_rows={rows!r}: rows per chunk of the LM head + loss are 'auto' (Liger's "
                              "rule with a floor), a positive int, or None / 0 (never chunk)")
+
+
+# parallelize's keywords for the pipeline, and the PipelineOptions field each sets
+PIPELINE_KEYWORDS = {"microbatches": "microbatches", "schedule": "schedule", "virtual_stages": "virtual_stages",
+                     "pipeline_cuts": "cuts", "memory_limit": "memory_limit", "zero": "zero"}
+
+
+def option_keywords() -> list:
+    """Every keyword ``parallelize`` (and ``compile_rank``, ``compile_pipeline``) takes for its options: the
+    fields of ``CompileOptions`` but its internal ``pipeline``, and ``PIPELINE_KEYWORDS``."""
+    return sorted({f.name for f in fields(CompileOptions)} - {"pipeline"} | set(PIPELINE_KEYWORDS))
+
+
+def options_from_keywords(**keywords) -> CompileOptions:
+    """The one ``CompileOptions`` the keywords describe (documented at ``parallelize``). The options are
+    spelled once, here as dataclass fields: a keyword that is not one is a TypeError naming them all.
+    ``None`` for ``cost_model``, ``pins`` or ``microbatches`` means the default."""
+    unknown = sorted(set(keywords) - set(option_keywords()))
+    if unknown:
+        raise TypeError(f"unexpected keyword argument {unknown[0]!r}: autoshard's options are "
+                        f"{', '.join(option_keywords())}")
+    pipeline = {PIPELINE_KEYWORDS[k]: keywords.pop(k) for k in list(keywords) if k in PIPELINE_KEYWORDS}
+    if pipeline.get("microbatches") is None:
+        pipeline["microbatches"] = 1
+    options = CompileOptions(**{k: v for k, v in keywords.items() if not (v is None and k in ("cost_model", "pins"))})
+    options.pipeline = PipelineOptions(**pipeline)
+    return options
+

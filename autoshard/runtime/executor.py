@@ -87,7 +87,7 @@ def _tag(kind: Kind, sender: int, microbatch: int, m: int) -> int:
 class Run:
     """One step on one rank: the inbox of received values, the saved activations, the pending transfers."""
 
-    def __init__(self, pm: "PipelineModule", users: list, grads_held: bool, forward_only: bool = False):
+    def __init__(self, pm, users: list, grads_held: bool, forward_only: bool = False):   # pm: PipelineModule
         self.pm, self.users, self.denominator = pm, users, None
         self.forward_only = forward_only       # eval_batch: forwards alone, nothing kept for a backward
         prog = pm.program
