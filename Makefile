@@ -2,7 +2,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv demo demo-tp demo-pp test bench bench-pp bench-fusion gpu-check gpu-session clean
+.PHONY: venv demo demo-tp demo-pp test test-fast bench bench-pp bench-fusion gpu-check gpu-session clean
 
 venv: $(VENV)/.installed
 
@@ -33,6 +33,10 @@ demo-pp: venv
 
 test: venv
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+# the inner loop: the single-process tests only (unit and thread-simulated ranks)
+test-fast: venv
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/unit tests/simulated
 
 bench: venv $(VENV)/.bench-installed
 	$(BIN)/python -m benchmarks.tp

@@ -1,5 +1,5 @@
 """The fusion patterns the issue names, as functions of their operands, shared by the benchmark
-(``benchmarks/fusion.py``, at GPU sizes) and the tests (``tests/test_fusion.py``, at odd tiny sizes)."""
+(``benchmarks/fusion.py``, at GPU sizes) and the tests (``tests/kernels/test_fusion.py``, at odd tiny sizes)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

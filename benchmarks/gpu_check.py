@@ -5,7 +5,7 @@ single-device model.
     python -m benchmarks.gpu_check --backend gloo --world 4   # the same checks on CPU ranks: a dry run
 
 The test suite runs on gloo with CPU ranks, also on a GPU machine (``tests/conftest.py``). This runs the
-suite's parity check (``tests/pipeline_checks.py:pipeline_parity``: the loss and every gradient gathered
+suite's parity check (``tests/harness/pipeline_checks.py:pipeline_parity``: the loss and every gradient gathered
 to full shape, then 3 AdamW steps, the tied copies bit-identical) with one GPU per rank, where the
 parameters are CUDA DTensors, buffers and batches are moved to the rank's GPU, the pipeline's transfers
 go through NCCL (one coalesced work per batch, a stream per group), and ``fuse="auto"`` runs the
@@ -69,7 +69,7 @@ def run(world: int, tracebacks: list) -> list:
     """One table row per configuration of ``world`` ranks: ``(config, verdict or error)``; a rank's whole
     traceback goes to ``tracebacks`` (the table keeps its last line)."""
     from autoshard.launcher import RankError, launch
-    from tests.pipeline_checks import run_configs
+    from tests.harness.pipeline_checks import run_configs
     configs = CONFIGS[world]
     print(f"gpu_check: {world} rank(s), {len(configs)} configuration(s) ...", flush=True)
     try:

@@ -13,7 +13,7 @@ scale, scatter), each a pass over the ``[chunk, V/t]`` buffer. Here they are two
    place, zero on padded columns.
 
 The statistics are fp32 whatever the logits' dtype, as in the composed path, and the results match it
-to fp32 rounding (``tests/test_cross_entropy_kernel.py``, in Triton's interpreter). What Inductor
+to fp32 rounding (``tests/kernels/test_cross_entropy_kernel.py``, in Triton's interpreter). What Inductor
 cannot write here is the collective between the two passes and the in-place reuse of the chunk's
 buffer across the forward and the gradient.
 """

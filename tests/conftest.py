@@ -1,7 +1,7 @@
 """Shared pytest configuration.
 
-Multi-process (gloo) tests use ``tests.distributed.run_distributed``; the repo
-root is put on ``sys.path`` so ``from tests.distributed import ...`` works
+Multi-process (gloo) tests use ``tests.harness.distributed.run_distributed``; the repo
+root is put on ``sys.path`` so ``from tests.harness.distributed import ...`` works
 whether or not the package is installed.
 """
 import os

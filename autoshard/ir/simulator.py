@@ -5,7 +5,7 @@ rank executes its list in order, and an action starts once its rank is free and 
 (``schedule.dependencies``: the previous stage's forward, the next stage's backward, or the matching
 send) have finished, plus ``p2p`` seconds when the value crosses ranks. There is no contention model:
 transfers overlap compute (a separate stream) and a SEND costs its rank nothing. So for equal stage
-costs the result is the textbook pipeline, and ``tests/test_schedule.py`` checks the closed forms of
+costs the result is the textbook pipeline, and ``tests/unit/test_schedule.py`` checks the closed forms of
 Narayanan et al. (SC'21) exactly.
 
 Times are whatever number type the costs use: pass ``fractions.Fraction`` (or ints) for exact

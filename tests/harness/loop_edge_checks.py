@@ -1,0 +1,262 @@
+"""What a real training loop does beyond the happy path, on 4 gloo ranks (``tests/distributed/test_loop_edges.py``):
+frozen parameters, param groups and an LR scheduler on the ZeRO-1 optimizer, a vocab that tp does not
+divide, a summed loss over microbatches, checkpoints with frozen parameters and a trailing slash, and
+real weights loaded into a pipelined model. Each case is checked against the single-device model."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+import autoshard
+from tests.harness.models import batch, build
+
+VOCAB = 97                  # tp=2 cuts it 49 + 48: uneven shards, padded on rank 1
+
+
+def _global(step):
+    args, _ = batch("gpt", VOCAB, B=8, seed=10 + step)
+    args[1][0, :5] = -100                       # uneven ignored targets over dp ranks and microbatches
+    return args
+
+
+def _groups(names):
+    """The usual two groups: weight decay on matrices, none on biases, norms and position embeddings."""
+    no_decay = [n for n in names if n.endswith("bias") or "ln" in n or "wpe" in n]
+    return [{"params": [n for n in names if n not in no_decay]}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _reference_run(model, steps, lam):
+    """The single-device model with the same groups and scheduler on the global batches."""
+    ref = copy.deepcopy(model)
+    names = [n for n, p in ref.named_parameters() if p.requires_grad]
+    by = dict(ref.named_parameters())
+    opt = torch.optim.AdamW([{**g, "params": [by[n] for n in g["params"]]} for g in _groups(names)],
+                            lr=1e-2, eps=1e-4, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    losses = []
+    for step in range(steps):
+        _, loss = ref(*_global(step))
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, {k: v.detach().clone() for k, v in ref.state_dict().items()}
+
+
+def zero_groups_scheduler_frozen_and_checkpoint(rank, world, path):
+    """dp=2 x tp=2, ZeRO-1, vocab 97, wpe frozen, two param groups and LambdaLR; then a save to
+    ``path/`` and a resume that continues bit-identically."""
+    mesh = autoshard.init_mesh(dp=2, tp=2)
+    model = build("gpt", vocab_size=VOCAB, n_layer=2)
+    model.transformer.wpe.weight.requires_grad_(False)
+    lam = (lambda s: 1.0 / (1 + s))
+
+    def make():
+        pm = autoshard.parallelize(copy.deepcopy(model), mesh, *autoshard.local_batch((_global(0), {}), mesh),
+                                   microbatches=2, zero=1)
+        names = [n for n, p in pm.named_parameters() if p.requires_grad]
+        opt = pm.optimizer(torch.optim.AdamW, _groups(names), lr=1e-2, eps=1e-4, weight_decay=0.1)
+        return pm, opt
+
+    pm, opt = make()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    losses = []
+    for step in range(2):
+        losses.append(float(pm.step(*autoshard.local_batch((_global(step), {}), mesh)[0])))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    want_losses, want_state = _reference_run(model, 2, lam)
+    full = pm.full_state_dict()
+    worst = max(float((full[k] - v).abs().max() / v.abs().max().clamp(min=1e-12)) for k, v in want_state.items())
+    autoshard.save(pm, opt, path + "/", step=2, scheduler=sched)
+    straight = float(pm.step(*autoshard.local_batch((_global(2), {}), mesh)[0]))
+    opt.step()
+    sched.step()
+    after = pm.full_state_dict()
+    pm2, opt2 = make()
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lam)        # built as the saving run built it
+    start = autoshard.load(pm2, opt2, path + "/", scheduler=sched2)
+    resumed = float(pm2.step(*autoshard.local_batch((_global(2), {}), mesh)[0]))
+    opt2.step()
+    sched2.step()
+    after2 = pm2.full_state_dict()
+    # an epoch's short last batch (4 rows, not 8): pm.step compiles a program for it on first use
+    short, _ = batch("gpt", VOCAB, B=4, seed=99)
+    opt2.zero_grad()
+    short_loss = float(pm2.step(*autoshard.local_batch((short, {}), mesh)[0]))
+    ref = copy.deepcopy(model)
+    ref.load_state_dict(after2)
+    _, want_short = ref(*short)
+    short_eval = float(pm2.eval_batch(*autoshard.local_batch((short, {}), mesh)[0]))   # pp = 1: a validation loss
+    return dict(short_loss=short_loss, want_short=float(want_short), steppers=len(pm2._steppers),
+                short_eval=short_eval,
+                losses=losses, want_losses=want_losses, worst=worst, start=start, straight=straight,
+                resumed=resumed, same=all(torch.equal(after[k], after2[k]) for k in after),
+                lr=[g["lr"] for g in opt.param_groups], want_lr=[1e-2 * lam(3)] * 2,
+                resumed_lr=[g["lr"] for g in opt2.param_groups], resumed_epoch=sched2.last_epoch,
+                wpe_same=torch.equal(after["transformer.wpe.weight"], model.transformer.wpe.weight))
+
+
+def pipeline_frozen_tied_and_real_weights(rank, world):
+    """dp=2 x pp=2 with the first stage holding only frozen weights (the tied wte/lm_head, wpe, block 0):
+    the step runs, its gradients are the single-device ones, the frozen tied copies do not move under
+    weight decay; unfreezing block 0 after a step gives it gradients; real weights load into the pipeline;
+    a step under no_grad says why it cannot run."""
+    mesh = autoshard.init_mesh(dp=2, pp=2)
+    model = build("gpt", vocab_size=VOCAB, n_layer=3)
+    frozen = ("transformer.wte.", "transformer.wpe.", "transformer.h.0.")
+    for n, p in model.named_parameters():
+        p.requires_grad_(not n.startswith(frozen))
+    pm = autoshard.parallelize(copy.deepcopy(model), mesh, *autoshard.local_batch((_global(0), {}), mesh),
+                               microbatches=2, pipeline_cuts=[1])
+    opt = pm.optimizer(torch.optim.AdamW, lr=1e-2, weight_decay=0.5)
+    before = pm.full_state_dict()
+    loss = float(pm.step(*autoshard.local_batch((_global(0), {}), mesh)[0]))
+    ref = copy.deepcopy(model)
+    _, ref_loss = ref(*_global(0))
+    ref_loss.backward()
+    grads = {}
+    for name, p in pm.named_parameters():
+        g = pm.gather(name, p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad) if p.grad is not None \
+            else None
+        grads[name] = g
+    ref_grads = dict(ref.named_parameters(remove_duplicate=False))
+    grad_err = max((float((grads[n] - ref_grads[n].grad).abs().max()) for n in grads if grads[n] is not None),
+                   default=0.0)
+    frozen_grads = [n for n in grads if n.startswith(frozen) and grads[n] is not None]
+    opt.step()
+    opt.zero_grad()
+    after = pm.full_state_dict()
+    frozen_moved = [k for k in before if k.startswith(frozen) and not torch.equal(before[k], after[k])]
+    # unfreeze block 0 (on the rank holding it): its next step gives it gradients
+    for name, p in pm.named_parameters():
+        if name.startswith("transformer.h.0."):
+            p.requires_grad_(True)
+    pm.step(*autoshard.local_batch((_global(1), {}), mesh)[0])
+    unfrozen = [n for n, p in pm.named_parameters() if n.startswith("transformer.h.0.")]
+    unfrozen_have_grads = all(p.grad is not None for n, p in pm.named_parameters() if n in unfrozen)
+    # real weights into the pipeline (a model built on meta would load this way)
+    torch.manual_seed(5)
+    real = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    real["lm_head.weight"] = real["transformer.wte.weight"]          # tied: one tensor under two names
+    pm.load_full_state_dict(real)
+    loaded = pm.full_state_dict()
+    load_ok = all(torch.equal(loaded[k], real[k]) for k in loaded if k in real)
+    try:
+        with torch.no_grad():
+            pm.step(*autoshard.local_batch((_global(0), {}), mesh)[0])
+        no_grad_error = None
+    except RuntimeError as e:
+        no_grad_error = str(e)
+    return dict(loss=loss, ref_loss=float(ref_loss), grad_err=grad_err, frozen_grads=frozen_grads,
+                frozen_moved=frozen_moved, unfrozen=unfrozen, unfrozen_have_grads=unfrozen_have_grads,
+                load_ok=load_ok, no_grad_error=no_grad_error)
+
+
+class SummedLoss(torch.nn.Module):
+    """A GPT whose loss is the summed cross-entropy (reduction='sum')."""
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx, targets):
+        logits, _ = self.gpt(idx)
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), reduction="sum")
+
+
+def summed_loss_over_microbatches_and_dp(rank, world):
+    """A summed loss is the sum over microbatches and dp replicas, not their mean (dp=2 x pp=2, m=2)."""
+    mesh = autoshard.init_mesh(dp=2, pp=2)
+    model = SummedLoss(build("gpt", vocab_size=VOCAB, n_layer=2))
+    pm = autoshard.parallelize(copy.deepcopy(model), mesh, *autoshard.local_batch((_global(0), {}), mesh),
+                               microbatches=2)
+    loss = float(pm.step(*autoshard.local_batch((_global(0), {}), mesh)[0]))
+    ref = copy.deepcopy(model)
+    ref_loss = ref(*_global(0))
+    ref_loss.backward()
+    ref_grads = dict(ref.named_parameters(remove_duplicate=False))
+    worst = 0.0
+    for name, p in pm.named_parameters():
+        if p.grad is not None:
+            g = pm.gather(name, p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+            want = ref_grads[name].grad
+            worst = max(worst, float((g - want).abs().max() / want.abs().max()))
+    # an epoch's short last batch (4 rows, not 8) under pp: a twin program on the same cuts and shards
+    short, _ = batch("gpt", VOCAB, B=4, seed=98)
+    short_loss = float(pm.step(*autoshard.local_batch((short, {}), mesh)[0]))
+    short_eval = float(pm.eval_batch(*autoshard.local_batch((short, {}), mesh)[0]))
+    # ... and one of 6 rows, 3 per replica, which microbatches=2 does not divide: it runs as 1 microbatch
+    odd, _ = batch("gpt", VOCAB, B=6, seed=97)
+    odd_loss = float(pm.step(*autoshard.local_batch((odd, {}), mesh)[0]))
+    with torch.no_grad():
+        want_short = float(ref(*short))
+        want_odd = float(ref(*odd))
+    return dict(loss=loss, ref_loss=float(ref_loss), worst=worst, short_loss=short_loss, short_eval=short_eval,
+                want_short=want_short, odd_loss=odd_loss, want_odd=want_odd)
+
+
+def eval_batch_is_the_eval_mode_loss(rank, world):
+    """pm.eval_batch on dp=2 x pp=2 with dropout 0.2: the single-device model's eval-mode loss on the global
+    batch (no dropout), twice the same, leaving the gradients of a step before it untouched."""
+    mesh = autoshard.init_mesh(dp=2, pp=2)
+    model = build("gpt", vocab_size=VOCAB, n_layer=2, dropout=0.2)
+    pm = autoshard.parallelize(copy.deepcopy(model), mesh, *autoshard.local_batch((_global(0), {}), mesh),
+                               microbatches=2)
+    pm.step(*autoshard.local_batch((_global(0), {}), mesh)[0])
+    local = (lambda t: t.to_local() if hasattr(t, "to_local") else t)      # no collective per comparison
+    grads = {n: local(p.grad).clone() for n, p in pm.named_parameters() if p.grad is not None}
+    got = [float(pm.eval_batch(*autoshard.local_batch((_global(1), {}), mesh)[0])) for _ in range(2)]
+    ref = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        _, want = ref(*_global(1))
+    untouched = all(torch.equal(local(p.grad), grads[n]) for n, p in pm.named_parameters() if n in grads)
+    pm.max_programs = 1          # twins are bounded: a short batch's eval program replaces the first's
+    short = autoshard.local_batch(([t[:4] for t in _global(1)], {}), mesh)[0]
+    with torch.no_grad():
+        want_short = float(ref(*[t[:4] for t in _global(1)])[1])
+    bounded = [float(pm.eval_batch(*short)), float(pm.eval_batch(*autoshard.local_batch((_global(1), {}), mesh)[0]))]
+    twins = len(pm._twins)
+    # pm.eval() then pm.step: as model.eval() then backward in torch, a step without dropout
+    for p in pm.parameters():
+        p.grad = None
+    pm.eval()
+    eval_step = float(pm.step(*autoshard.local_batch((_global(2), {}), mesh)[0]))
+    ref.zero_grad()
+    _, want_step = ref(*_global(2))
+    want_step.backward()
+    ref_grads = dict(ref.named_parameters())
+    step_err = max((local(p.grad) - ref_grads[n].grad).abs().max().item() for n, p in pm.named_parameters())
+    pm.train()
+    return dict(got=got, want=float(want), untouched=untouched, held=bool(grads), twins=twins,
+                bounded=bounded, want_bounded=[want_short, float(want)], eval_step=eval_step,
+                want_eval_step=float(want_step), eval_step_grad_err=step_err)
+
+
+def mixed_precision_on_the_whole_mesh(rank, world):
+    """bf16 compute with fp32 parameters, gradients and ZeRO-1 state, on dp=2 x pp=2 with a tied head and
+    clipping: the losses within bf16 rounding of the fp32 single-device model's, the main weights fp32."""
+    from tests.harness.pipeline_checks import pipeline_parity
+    return pipeline_parity(rank, world, "gpt", dict(dp=2, pp=2),
+                           dict(microbatches=2, zero=1, mixed_precision="bf16", clip=0.5), dict(n_layer=2))
+
+
+def mixed_precision_with_rotary_tables(rank, world):
+    """bf16 on an HF Llama (tied head) at pp=2 x tp=2: the weightless bf16 twin it is traced from holds its
+    rotary tables on meta, and the step must run on the model's own (a meta copy crashed every rank)."""
+    from tests.harness.pipeline_checks import pipeline_parity
+    return pipeline_parity(rank, world, "family", dict(pp=2, tp=2), dict(microbatches=2, mixed_precision="bf16"),
+                           dict(family="llama", kv_heads=2, tie_word_embeddings=True), steps=2)
+
+
+def suite(rank, world, path):
+    return dict(mixed=mixed_precision_on_the_whole_mesh(rank, world),
+                mixed_rope=mixed_precision_with_rotary_tables(rank, world),
+                zero=zero_groups_scheduler_frozen_and_checkpoint(rank, world, path),
+                pipeline=pipeline_frozen_tied_and_real_weights(rank, world),
+                summed=summed_loss_over_microbatches_and_dp(rank, world),
+                eval=eval_batch_is_the_eval_mode_loss(rank, world))

@@ -1,0 +1,50 @@
+"""The wider zoo (``tests/harness/zoo.py``) at tp=2 and tp=4 in the simulator, called with keywords as users call
+HF models: the loss and every gradient equal the single-device model's (slow: ``pytest -m slow
+tests/models/test_zoo.py``, about 5 minutes). ``tests/models/test_family_pipeline.py`` puts the same zoo on pp=2."""
+import copy
+
+import pytest
+import torch
+
+from tests.harness.parity_checks import rel
+from tests.harness.simulate import simulate
+from tests.harness.zoo import ZOO, build_zoo, tolerance
+
+
+# One of each new kind, in the fast suite: MoE with a dense MLP beside it and chunked attention (Llama 4),
+# latent attention (DeepSeek V3.2), a Mamba hybrid (Jamba), a short-conv hybrid (LFM2), and a scan that
+# writes into views (Qwen3.5's gated delta rule, functionalized at capture)
+FAST = ("llama4_text", "deepseek_v32", "jamba", "lfm2", "qwen3_5_text")
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_new_family_at_tp2(name):
+    test_zoo_family_matches_single_device(name, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_family_matches_single_device(name, t):
+    model = build_zoo(name)
+    if model is None:
+        pytest.skip(f"this transformers has no {ZOO[name][0]}")
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, 128, (2, 8), generator=g), torch.randint(0, 128, (2, 8), generator=g)
+    labels[0, :2] = -100
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0                          # a left-padded row, as batched inference-style data has
+    labels[1, :2] = -100
+    kwargs = dict(input_ids=ids, labels=labels, attention_mask=mask, use_cache=False)
+    ref = copy.deepcopy(model)
+    out = ref(**kwargs)
+    out.loss.backward()
+    grads = dict(ref.named_parameters(remove_duplicate=False))
+    floor = 1e-3 * max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
+    for rank, (o, g, _) in enumerate(simulate(model, t, (), kwargs, loss_fn=lambda o: o.loss)):
+        assert rel(o.loss.detach(), out.loss.detach()) <= 1e-5, (name, rank)
+        assert set(g) == set(grads), (name, sorted(set(g) ^ set(grads)))
+        for n, p in grads.items():
+            assert (g[n] is None) == (p.grad is None), (name, n)
+            if p.grad is not None:
+                assert rel(g[n], p.grad, floor) <= tolerance(name), (name, t, rank, n)
