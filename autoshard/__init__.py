@@ -18,8 +18,7 @@ from autoshard.launcher import RankError, launch
 from autoshard.mesh import init_mesh
 from autoshard.ir.errors import InputError
 from autoshard.ir.options import PipelineOptions
-from autoshard.runtime.batch_check import data_parallel_rank
-from autoshard.runtime.data_parallel import local_batch
+from autoshard.runtime.data_parallel import data_parallel_rank, local_batch
 from autoshard.runtime.module import ParallelModule
 from autoshard.runtime.pipeline import PipelineError, PipelineModule
 

@@ -23,14 +23,13 @@ from autoshard.ir import meta as M
 from autoshard.ir.options import CompileOptions, PipelineOptions, dump_dir, options_from_keywords
 from autoshard.ir.pipeline import LOSS_REWRITE, STAGE_PLAN, PipelineProgram
 from autoshard.ir.program import Captured, Program
-from autoshard.ir.schedule import add_communication, validate
+from autoshard.ir.schedule import add_communication, make_schedule, validate
 from autoshard.mesh import group_timeout, mesh_spec
 from autoshard.passes import dump as D
 from autoshard.passes.capture import capture
 from autoshard.passes.dump_pipeline import write_pipeline
 from autoshard.passes.lower import collective_records, param_records
 from autoshard.passes.manager import PassContext, check_pass_list, run_passes
-from autoshard.passes.pipeline_split import make_schedule
 from autoshard.passes.stages import split_chunks
 from autoshard.passes.shapes import module_path
 from autoshard.runtime.comm import comms_for_mesh

@@ -33,7 +33,7 @@ import torch.fx as fx
 from autoshard.ir import meta as M
 from autoshard.ir.options import CostModel
 from autoshard.ir.pipeline import STAGE_PLAN, StageCost, StagePlan
-from autoshard.ir.schedule import add_communication, gpipe, interleaved_1f1b, one_f_one_b, validate
+from autoshard.ir.schedule import add_communication, make_schedule, validate
 from autoshard.passes.cost import flops
 from autoshard.passes.shapes import shape_of, val
 from autoshard.ir.simulator import Costs, simulate
@@ -64,15 +64,6 @@ def saved_for_backward(n: fx.Node) -> bool:
 
 class PipelineSplitError(ValueError):
     """The model cannot be cut as asked; the message says how it can be."""
-
-
-def make_schedule(name: str, pp: int, m: int, v: int):
-    """The compute-only schedule ``PipelineOptions.schedule`` names."""
-    if name == "gpipe":
-        return gpipe(pp, m)
-    if name == "1f1b":
-        return one_f_one_b(pp, m)
-    return interleaved_1f1b(pp, m, v)
 
 
 def activations(gm: fx.GraphModule) -> set:

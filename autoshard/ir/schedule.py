@@ -182,6 +182,15 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
     return Schedule("interleaved_1f1b", pp, v, m, acts)
 
 
+def make_schedule(name: str, pp: int, m: int, v: int) -> Schedule:
+    """The compute-only schedule ``PipelineOptions.schedule`` names."""
+    if name == "gpipe":
+        return gpipe(pp, m)
+    if name == "1f1b":
+        return one_f_one_b(pp, m)
+    return interleaved_1f1b(pp, m, v)
+
+
 def _check_positive(**values: int) -> None:
     for key, value in values.items():
         if not isinstance(value, int) or value < 1:

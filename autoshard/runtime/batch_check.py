@@ -94,12 +94,3 @@ def check_same_batch(comms: dict, leaves: list, where: str) -> None:
                 "take different rows). A DistributedSampler over the whole world does this: build it with "
                 "num_replicas and rank from autoshard.data_parallel_rank(mesh), or cut a global batch with "
                 "autoshard.local_batch(batch, mesh)")
-
-
-def data_parallel_rank(mesh) -> tuple[int, int]:
-    """``(rank, size)`` of this process among the data-parallel replicas: what ``DistributedSampler``'s
-    ``rank`` and ``num_replicas`` must be (not the global rank and world size, which would give the tp and
-    pp ranks of one replica different batches)."""
-    from autoshard.mesh import mesh_spec
-    spec = mesh_spec(mesh)
-    return spec.coords(dist.get_rank() if dist.is_initialized() else 0)["dp"], spec.dp

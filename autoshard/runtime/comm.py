@@ -84,6 +84,15 @@ class AxisComm:
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def all_gather_objects(self, obj) -> list:
+        """Every rank's ``obj`` in rank order (pickled: hand it CPU tensors only, as a CUDA tensor would
+        unpickle on its sender's device). Not counted: it carries metadata, not the step's tensors."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def reduce_scatter(self, x, dim, phase):
         if self.size == 1:
             return x

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from autoshard.runtime.clock import StepClock
 
@@ -190,3 +191,12 @@ def local_batch(batch, mesh):
         n = x.shape[0] // spec.dp
         return x[rank * n:(rank + 1) * n]
     return torch.utils._pytree.tree_map(cut, batch)
+
+
+def data_parallel_rank(mesh) -> tuple[int, int]:
+    """``(rank, size)`` of this process among the data-parallel replicas: what ``DistributedSampler``'s
+    ``rank`` and ``num_replicas`` must be (not the global rank and world size, which would give the tp and
+    pp ranks of one replica different batches)."""
+    from autoshard.mesh import mesh_spec
+    spec = mesh_spec(mesh)
+    return spec.coords(dist.get_rank() if dist.is_initialized() else 0)["dp"], spec.dp

@@ -13,7 +13,6 @@ import logging
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
@@ -239,8 +238,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             return
         plan = hashlib.sha1(repr([(n.name, M.SPEC.get(n, None), M.LOCAL_SHAPE.get(n, None))
                                   for n in program.gm.graph.nodes]).encode()).hexdigest()
-        every = [None] * dist.get_world_size(group)
-        dist.all_gather_object(every, plan, group=group)
+        every = self.tp.all_gather_objects(plan)
         if len(set(every)) > 1:
             raise RuntimeError("tensor-parallel ranks compiled different plans (different example inputs, "
                                "models or autoshard versions?): every rank must call parallelize identically")

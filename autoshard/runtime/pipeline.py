@@ -384,11 +384,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         for name, attr in self._buffers_by_name.items():
             if name in self._persistent:
                 mine[name] = getattr(self, attr).cpu().clone()
-        pp = self.comms["pp"]
-        parts = [mine]
-        if pp.size > 1:
-            parts = [None] * pp.size
-            dist.all_gather_object(parts, mine, group=pp.group)
+        parts = self.comms["pp"].all_gather_objects(mine)
         out = {}
         for part in parts:
             out.update(part)
@@ -412,12 +408,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
 
     def measured_timeline(self) -> Timeline:
         """The last step's timeline over every pp rank (a collective over pp): what the dump draws."""
-        mine = self.last_timeline
-        pp = self.comms["pp"]
-        parts = [mine]
-        if pp.size > 1:
-            parts = [None] * pp.size
-            dist.all_gather_object(parts, mine, group=pp.group)
+        parts = self.comms["pp"].all_gather_objects(self.last_timeline)
         spans = {r: t.spans[r] for r, t in enumerate(parts)}
         busy = {r: t.busy[r] for r, t in enumerate(parts)}
         peak = {r: t.peak_activation_bytes.get(r, 0) for r, t in enumerate(parts)}

@@ -114,8 +114,7 @@ def _compare(comm, tensors: dict, who: str) -> None:
     if comm.group is None:  # the thread simulator: its communicator exchanges tensors, not objects
         every = comm.exchange_objects(mine)
     else:
-        every = [None] * comm.size
-        dist.all_gather_object(every, mine, group=comm.group)
+        every = comm.all_gather_objects(mine)
     drifted = sorted(n for n in mine if len({e.get(n) for e in every}) > 1)
     if drifted:
         raise RuntimeError(f"parameters that should be identical differ between the {comm.size} {who}: {drifted}. "
