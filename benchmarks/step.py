@@ -152,7 +152,7 @@ def cpu_host(args) -> list:
         pm.step(idx, tgt)
         pm.zero_grad(set_to_none=True)
 
-    def with_opt(fwd_bwd, opt, module):
+    def with_opt(fwd_bwd, opt):
         def run():
             fwd_bwd_only[fwd_bwd]()
             opt.step()
@@ -170,9 +170,9 @@ def cpu_host(args) -> list:
     }
     variants = {"eager fwd+bwd": eager, "pm(...) + backward": pm_call, "pm.step": pm_step,
                 "pm(...) + backward, codegen='inductor'": pmi_call,
-                "eager + AdamW(fused)": with_opt("eager", opt_eager, model),
-                "pm(...) + backward + AdamW(fused)": with_opt("pm", opt_pm, pm),
-                "pm.step + AdamW(fused)": with_opt("step", opt_pm, pm)}
+                "eager + AdamW(fused)": with_opt("eager", opt_eager),
+                "pm(...) + backward + AdamW(fused)": with_opt("pm", opt_pm),
+                "pm.step + AdamW(fused)": with_opt("step", opt_pm)}
     wraps = {}
     for name, fn in (("pm(...) + backward", pm_call), ("pm.step", pm_step)):
         fn()            # compiled and warm

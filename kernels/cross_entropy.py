@@ -101,7 +101,7 @@ def chunk_loss_and_grad(x, target, comm, start: int, valid: int, ignore_index: i
     """Per-row losses of one chunk of local logits ``x`` ``[rows, V/t]`` (fp32, contiguous rows), and when
     ``want_grad``, ``x`` turned in place into the gradient of ``sum(loss_i * row_scale_i)``: what the
     composed ops of ``ChunkedLinearCrossEntropy`` compute for a chunk with no epilogue. ``comm``: the tp
-    communicator (None at tp = 1). Returns ``(losses [rows] fp32, sum of exps [rows])``."""
+    communicator (None at tp = 1). Returns the losses ``[rows]`` in fp32."""
     row_stats, grad = _kernels()
     rows, cols = x.shape
     stats = torch.empty((rows, 4), dtype=torch.float32, device=x.device)
@@ -126,7 +126,7 @@ def chunk_loss_and_grad(x, target, comm, start: int, valid: int, ignore_index: i
     if want_grad:
         grad[(rows,)](x, x.stride(0), target, lse.contiguous(), row_scale.to(torch.float32).contiguous(), cols,
                       valid, start, 1.0 - eps, eps / vocab if eps else 0.0, BLOCK=_block(cols))
-    return loss, combined[0]
+    return loss
 
 
 __all__ = ["available", "chunk_loss_and_grad"]

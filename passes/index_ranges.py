@@ -65,13 +65,9 @@ def _pads_with(node, packet, value) -> bool:
 
 
 def _ignore_index(node) -> int:
-    names = ("self", "target", "weight", "reduction", "ignore_index")
-    packet = node.target.overloadpacket
-    args = dict(zip(names, node.args))
-    default = -100
-    if packet is aten.cross_entropy_loss or packet in (aten.nll_loss, aten.nll_loss_nd, aten.nll_loss2d):
-        return int(node.kwargs.get("ignore_index", args.get("ignore_index", default)))
-    return default
+    """A loss's ``ignore_index``: the fifth argument of ``cross_entropy_loss`` and of every ``nll_loss``."""
+    args = dict(zip(("self", "target", "weight", "reduction", "ignore_index"), node.args))
+    return int(node.kwargs.get("ignore_index", args.get("ignore_index", -100)))
 
 
 def _shape_only(node) -> bool:
@@ -159,8 +155,4 @@ def index_ranges(gm: fx.GraphModule) -> list:
             src = _input_behind(target, ignore)
             if src is not None:
                 out.append(IndexRange(M.NAME.get(src), int(classes), "label", ignore, module_path(n)))
-    unique = []
-    for r in out:
-        if r not in unique:
-            unique.append(r)
-    return unique
+    return list(dict.fromkeys(out))

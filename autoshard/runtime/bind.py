@@ -12,7 +12,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 from autoshard.ir import ops
+from autoshard.ir.options import resolved_codegen
 from autoshard.runtime import collectives as C
+from autoshard.runtime import traceable
 from autoshard.runtime import losses as L
 from autoshard.runtime.chunked_loss import ChunkedLinearCrossEntropy
 from autoshard.runtime.device import retarget
@@ -62,9 +64,12 @@ IMPLEMENTATIONS = {
 }
 
 
+TRACEABLE = {**IMPLEMENTATIONS, **traceable.OVERRIDES}   # what a program Inductor compiles runs
+
+
 class BoundOp(nn.Module):
     """A parallel op with its communicator: what a ``call_module`` node of an instantiated program runs
-    (``table``: the eager implementations, or ``traceable.TRACEABLE`` for a program Inductor compiles)."""
+    (``table``: ``IMPLEMENTATIONS``, or ``TRACEABLE`` for a program Inductor compiles)."""
 
     def __init__(self, op: ops.ParallelOp, comm, table: dict = IMPLEMENTATIONS):
         super().__init__()
@@ -81,12 +86,11 @@ class BoundOp(nn.Module):
 
 def bind(gm: fx.GraphModule, comms: dict, device: torch.device | None = None, codegen: str = "autoshard"):
     """A runnable copy of ``gm``: every ``ir.ops`` record bound to ``comms[record.axis]``, its device literals
-    on ``device`` (``runtime/device.py``; None: as traced). ``codegen="inductor"``: the ops' traceable
-    implementations, and the whole program handed to ``torch.compile`` (``runtime/traceable.py``)."""
-    table = IMPLEMENTATIONS
-    if codegen == "inductor":
-        from autoshard.runtime.traceable import TRACEABLE
-        table = TRACEABLE
+    on ``device`` (``runtime/device.py``; None: as traced). ``codegen`` is the program's option
+    (``resolved_codegen``): with "inductor", the ops' traceable implementations, and the whole program
+    handed to ``torch.compile`` (``runtime/traceable.py``)."""
+    codegen = resolved_codegen(codegen)
+    table = TRACEABLE if codegen == "inductor" else IMPLEMENTATIONS
     root = nn.Module()
     for node in gm.graph.nodes:
         if node.op != "call_module":

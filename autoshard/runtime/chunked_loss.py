@@ -172,7 +172,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 x.copy_(mm)
             sl = slice(s, e)
             if use_kernel:   # kernels/cross_entropy.py: two passes over the chunk instead of ~ten ops
-                losses[sl], _ = fused_ce.chunk_loss_and_grad(x, target[sl], comm, start, valid, ignore_index,
+                losses[sl] = fused_ce.chunk_loss_and_grad(x, target[sl], comm, start, valid, ignore_index,
                                                              scale[sl], eps, vocab, want_h or want_w or want_b)
                 grad = x
             else:

@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from autoshard.ir import meta as M
 from autoshard.ir.errors import InputError
-from autoshard.ir.options import check_finite_enabled, check_replicas_every, resolved_codegen
+from autoshard.ir.options import check_finite_enabled, check_replicas_every
 from autoshard.ir.program import Program
 from autoshard.runtime import training
 from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch
@@ -124,13 +124,14 @@ class ParallelModule(training.TrainingMethods, nn.Module):
                 constants[name] = owned_constant(program.captured.constants[name], name, self.device)
             else:
                 raise ValueError(f"buffer or constant '{name}' of the captured graph was not found in the model")
-        self._programs.put(k, (program, bind(program.gm, self.comms, self.device, resolved_codegen(program.options.codegen)), constants))   # (.program keeps the first)
+        self._programs.put(k, (program, bind(program.gm, self.comms, self.device, program.options.codegen), constants))   # (.program keeps the first)
 
     def _program_for(self, leaves, spec):
         k = program_key(self.training, leaves, spec)
         if k in self._programs:
             return self._programs.get(k)
         first = self.program
+        check_dtype_kinds(leaves, first.captured)     # dtypes are in the key: only a new program can be wrong
         if self._compiler is None:
             self._explain_mismatch(leaves, spec, first)
         start = time.perf_counter()
@@ -171,7 +172,6 @@ class ParallelModule(training.TrainingMethods, nn.Module):
                                "it sums the gradients over dp ranks; a training forward here would leave each "
                                "replica's gradients unsynchronised. pm.eval() forwards are fine")
         leaves, spec = pytree.tree_flatten(to_device((args, kwargs), self.device))
-        check_dtype_kinds(leaves, self.program.captured)
         program, graph, constants = self._program_for(leaves, spec)
         key = program_key(self.training, leaves, spec)
         if self._batch_checks.get(key, 0) < CHECKED_CALLS:   # every tp rank given the same batch
@@ -205,10 +205,10 @@ class ParallelModule(training.TrainingMethods, nn.Module):
 
     def _stepper_for(self, args, kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        check_dtype_kinds(leaves, self.program.captured)     # before a step program is compiled for them
         key = program_key(True, leaves, spec)
         stepper = self._steppers.get(key)
         if stepper is None:     # a new batch shape (the last, short batch of an epoch): its own step program
+            check_dtype_kinds(leaves, self.program.captured)     # before a step program is compiled for them
             if self._step_compiler is None:
                 raise RuntimeError("pm.step needs the compiler: build the module with autoshard.parallelize")
             pins = {r.name: r.spec.tp for r in self.program.params}

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from autoshard.ir.errors import InputError
-from autoshard.ir.options import check_finite_enabled, dump_dir, pg_timeout_seconds, resolved_codegen
+from autoshard.ir.options import check_finite_enabled, dump_dir, pg_timeout_seconds
 from autoshard.ir.pipeline import PipelineProgram
 from autoshard.ir.schedule import Kind
 from autoshard.ir.simulator import Timeline
@@ -91,8 +91,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         self._constants = {i.name: owned_constant(constants[i.name], i.name, self.device) for c in program.own
                            for i in c.inputs if i.kind == "buffer" and i.name in constants
                            and i.name not in self._buffers_by_name}
-        codegen = resolved_codegen(program.options.codegen)
-        self.graphs = nn.ModuleDict({str(c.index): bind(c.gm, self.comms, self.device, codegen)
+        self.graphs = nn.ModuleDict({str(c.index): bind(c.gm, self.comms, self.device, program.options.codegen)
                                      for c in program.own})
         self._recorded = None                # the last step's action marks (Recorded); read by last_timeline
         self._timeline = None                # ... and the Timeline made of them, once read
@@ -223,7 +222,6 @@ class PipelineModule(training.TrainingMethods, nn.Module):
                                "torch.no_grad(); for a validation loss call pm.eval_batch(*batch) (eval mode, "
                                "no gradients)")
         args, kwargs = to_device((args, kwargs), self.device)
-        check_dtype_kinds(pytree.tree_leaves((args, kwargs)), self.program.captured)   # before any compile
         # after pm.eval(), as after model.eval() in torch: forward and backward without dropout
         twin = self._twin(args, kwargs, training=self.training)
         if twin is not self:        # eval mode, or another batch shape (an epoch's short last batch): its own program
@@ -258,7 +256,6 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         kept. The eval program is compiled on first use (per batch shape), on the training program's
         stage cuts and placements, so it runs on the same parameter shards."""
         args, kwargs = to_device((args, kwargs), self.device)
-        check_dtype_kinds(pytree.tree_leaves((args, kwargs)), self.program.captured)
         twin = self._twin(args, kwargs, training=False)
         users = twin._microbatches(args, kwargs, "pm.eval_batch")
         with torch.no_grad():
@@ -291,6 +288,7 @@ class PipelineModule(training.TrainingMethods, nn.Module):
         twins = self.__dict__["_twins"]
         twin = twins.get(key)
         if twin is None:
+            check_dtype_kinds(pytree.tree_leaves((args, kwargs)), self.program.captured)   # before compiling
             compiler = getattr(self, "_twin_compiler", None)
             if compiler is None:
                 raise RuntimeError("another batch shape or eval mode needs the compiler: build the module with "

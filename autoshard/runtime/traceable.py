@@ -32,7 +32,6 @@ import torch.nn.functional as F
 from autoshard.ir import ops
 from autoshard.runtime import collectives as C
 from autoshard.runtime.input_checks import check_range
-from autoshard.runtime.losses import vocab_parallel_embedding
 
 C10D = torch.ops._c10d_functional
 
@@ -126,10 +125,6 @@ def _column_parallel_matmul(op, comm, x, weight, bias=None):
     return F.linear(C.CopyToParallel.apply(x, FunctionalComm.of(comm)), weight.t() if op.transposed else weight, bias)
 
 
-def _vocab_parallel_embedding(op, comm, weight, idx):
-    return vocab_parallel_embedding(weight, idx, op.start, op.valid, op.padding_idx, op.rows, op.module)
-
-
 def _vocab_parallel_cross_entropy(op, comm, logits, target):
     loss = cross_entropy(logits, target, FunctionalComm.of(comm), op.start, op.valid, op.ignore_index,
                          op.reduction, op.label_smoothing, op.vocab)
@@ -156,11 +151,12 @@ def _vocab_parallel_logsumexp(op, comm, x):
     return (out if op.keepdim else out.squeeze(op.dims)).to(x.dtype)
 
 
-TRACEABLE = {
+# the ops whose eager implementation dynamo cannot trace (``bind.TRACEABLE`` takes the rest, the
+# vocab-parallel embedding, from the eager table: it is plain torch ops)
+OVERRIDES = {
     ops.Redistribute: _redistribute,
     ops.CopyToParallel: _copy_to_parallel,
     ops.ColumnParallelMatmul: _column_parallel_matmul,
-    ops.VocabParallelEmbedding: _vocab_parallel_embedding,
     ops.VocabParallelCrossEntropy: _vocab_parallel_cross_entropy,
     ops.VocabParallelLogsumexp: _vocab_parallel_logsumexp,
     ops.VocabParallelLinearCrossEntropy: _vocab_parallel_linear_cross_entropy,

@@ -4,11 +4,14 @@ padded vocab columns, ignore_index and label smoothing, and inside a tp=2 progra
 import copy
 import os
 
-import pytest
-import torch
+# before triton is imported (as in test_fusion.py): triton reads it once, at import
+os.environ["TRITON_INTERPRET"] = "1"
 
-from autoshard.runtime.chunked_loss import ChunkedLinearCrossEntropy
-from tests.harness.parity_checks import rel
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from autoshard.runtime.chunked_loss import ChunkedLinearCrossEntropy  # noqa: E402
+from tests.harness.parity_checks import rel  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
