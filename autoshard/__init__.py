@@ -20,8 +20,8 @@ from autoshard.ir.errors import InputError
 from autoshard.ir.options import PipelineOptions
 from autoshard.runtime.data_parallel import data_parallel_rank, local_batch
 from autoshard.runtime.module import ParallelModule
-from autoshard.runtime.pipeline import PipelineError, PipelineModule
+from autoshard.runtime.executor import PipelineError
 
-__all__ = ["init_mesh", "parallelize", "compile_rank", "compile_pipeline", "compile_options", "PipelineModule", "PipelineOptions",
+__all__ = ["init_mesh", "parallelize", "compile_rank", "compile_pipeline", "compile_options", "PipelineOptions",
            "PipelineError", "InputError", "local_batch", "data_parallel_rank", "save", "load", "launch", "RankError", "Program", "ParallelModule", "CompileOptions",
            "MeshSpec", "CostModel", "DistSpec", "Shard", "Replicate", "Partial"]

@@ -34,9 +34,8 @@ from autoshard.passes.stages import split_chunks
 from autoshard.passes.shapes import module_path
 from autoshard.runtime.comm import comms_for_mesh
 from autoshard.runtime.device import to_device
-from autoshard.runtime.executor import row_counts
 from autoshard.runtime.module import ParallelModule
-from autoshard.runtime.pipeline import PipelineModule, split_batch
+from autoshard.runtime.microbatch import row_counts, split_batch
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16}
 log = logging.getLogger("autoshard")
@@ -325,9 +324,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     ``plan.md``; ``disable`` names passes to skip. The keywords build one ``CompileOptions``; pass
     ``options=`` instead to give it whole.
 
-    With a ``pp`` axis in the mesh (or ``microbatches`` given), the result is a ``PipelineModule``: train
-    it with ``pm.step(*batch)``, which splits the whole batch into ``microbatches`` and runs
-    ``schedule`` ("gpipe", "1f1b" or "interleaved" with ``virtual_stages`` chunks per rank), with stages
+    With a ``pp`` axis in the mesh (or ``microbatches`` given), train with ``pm.step(*batch)``, which
+    splits the whole batch into ``microbatches`` and runs ``schedule`` ("gpipe", "1f1b" or "interleaved" with ``virtual_stages`` chunks per rank), with stages
     cut by the cost model or at ``pipeline_cuts`` (layer indices), within ``memory_limit`` bytes per rank.
     With a ``dp`` axis each dp rank passes its own rows of the global batch (``autoshard.local_batch``)
     and ``pm.step`` returns the global batch's loss; ``zero=1`` makes ``pm.optimizer(cls, ...)`` shard
@@ -367,19 +365,17 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
         peers = spec.group_ranks(rank, "pp")
         ties = _tie_groups(spec, rank, program.ties()) if spec.pp > 1 else {}
         p2p = _p2p_groups(spec, rank) if real_mesh else {}
-        pm = PipelineModule(program, model, comms, mesh["tp"] if real_mesh else None, peers, ties, p2p_groups=p2p)
-        pm.max_programs = max_programs
+        pins = {r.name: r.spec.tp for r in program.params}
 
-        def twin_compiler(train, args, kwargs, training):
+        def twin_compiler(args, kwargs, training):
             """Another program of this pipeline (eval mode, or another batch shape) on the training
             program's cuts and placements, so it runs on the same parameter shards."""
-            pins = {r.name: r.spec.tp for r in train.params}
             popts = dataclasses.replace(_fitting_microbatches(options.pipeline, spec.pp, args, kwargs),
-                                        stretches=tuple(train.plan.stretches))
+                                        stretches=tuple(program.plan.stretches))
             later = dataclasses.replace(options, pins={**pins, **options.pins}, dump=None, pipeline=popts)
             return compile_pipeline(model, spec, rank, args, kwargs, later, training=training)
-        pm._twin_compiler = twin_compiler
-        return pm
+        return ParallelModule(program, model, comms, mesh["tp"] if real_mesh else None, step_compiler=twin_compiler,
+                              max_programs=max_programs, peers=peers, tie_groups=ties, p2p_groups=p2p)
     step_options = options
     options = dataclasses.replace(options, pipeline=None)
     prog = compile_rank(model, spec, rank, example_args, example_kwargs, options)
@@ -390,17 +386,20 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
         later = dataclasses.replace(options, pins={**pinned, **options.pins}, dump=None, loss_fn=loss)
         return compile_rank(model, spec, rank, args, kwargs, later, training=training)
 
-    def step_compiler(args, kwargs, pinned, training=True):
+    pins = {r.name: r.spec.tp for r in prog.params}   # every step program shares the forward's shards
+
+    def step_compiler(args, kwargs, training):
         out = dump_dir(options.dump)   # the step program's dumps go beside the forward's, in step/
         popts = _fitting_microbatches(step_options.pipeline or PipelineOptions(), spec.pp, args, kwargs)
         if not training:               # pm.eval_batch: one stage, as the training step's
             popts = dataclasses.replace(popts, stretches=())
-        later = dataclasses.replace(step_options, pins={**pinned, **options.pins},
+        later = dataclasses.replace(step_options, pins={**pins, **options.pins},
                                     dump=out and training and f"{out}/step" or None, pipeline=popts)
         return compile_pipeline(model, spec, rank, args, kwargs, later, training=training)
 
     comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
     tp_mesh = mesh["tp"] if real_mesh else None
-    pm = ParallelModule(prog, model, comms, tp_mesh, compiler, max_programs, step_compiler)
+    pm = ParallelModule(prog, model, comms, tp_mesh, compiler=compiler, step_compiler=step_compiler,
+                        max_programs=max_programs)
     pm.zero = step_options.pipeline.zero if step_options.pipeline is not None else 0
     return pm

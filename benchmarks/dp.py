@@ -69,14 +69,13 @@ def _rank(rank, world, job):
     if abs(check[0] - check[1]) > loss_rtol() * abs(check[1]):
         raise RuntimeError(f"global losses differ: autoshard {check[0]} vs DDP {check[1]}")
     times, hidden = {"autoshard": [], "ddp": []}, []
-    stepper = pm if not hasattr(pm, "_stepper") else pm._stepper   # pp = dp = 1: ParallelModule.step
     for step in range(job["warmup"] + job["steps"]):
         for name, fn in (("autoshard", ours), ("ddp", theirs)):
             _, t = _timed_step(fn)
             if step >= job["warmup"]:
                 times[name].append(t)
             if name == "autoshard" and world > 1 and step >= job["warmup"]:
-                blocked = getattr(stepper, "last_dp_wait", 0.0)
+                blocked = pm.last_dp_wait
                 grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in pm.parameters()]
                 flat = torch.cat([g.reshape(-1) for g in grads])
                 dist.barrier()
@@ -92,8 +91,7 @@ def _rank(rank, world, job):
     # parameter bytes, divided by dp when sharded)
     state = {}
     for zero in (0, 1):
-        opt = stepper.optimizer(torch.optim.AdamW, zero=zero, lr=1e-3) if hasattr(stepper, "optimizer") else \
-            torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        opt = pm.optimizer(torch.optim.AdamW, zero=zero, lr=1e-3)
         ours()
         opt.step()
         clear()

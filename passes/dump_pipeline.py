@@ -2,7 +2,7 @@
 
 Written next to ``plan.md`` (which links to it) when a pipelined program is compiled with a dump
 directory. The simulated timeline is drawn at compile time (``simulated.svg``); the first ``pm.step``
-draws the measured one (``measured.svg``, by ``runtime/pipeline.py``) and appends its bubble, so the
+draws the measured one (``measured.svg``, by ``runtime/step_runner.py``) and appends its bubble, so the
 two pictures sit side by side in the file.
 """
 from __future__ import annotations

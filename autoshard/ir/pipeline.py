@@ -2,7 +2,7 @@
 combined over microbatches, and the per-stage graphs a rank runs.
 
 Written by the passes (``passes/pipeline_split.py``, ``passes/microbatch_loss.py``, ``passes/stages.py``),
-read by the runtime (``runtime/pipeline.py``) and the dump. Plain data: nothing here runs a collective.
+read by the runtime (``runtime/step_runner.py``) and the dump. Plain data: nothing here runs a collective.
 """
 from __future__ import annotations
 

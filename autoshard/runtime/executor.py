@@ -1,5 +1,6 @@
 """One pipeline step on one rank: ``Run`` walks the rank's action list (``ir.schedule``) over its
-stages' graphs, for ``PipelineModule`` (``runtime/pipeline.py``), which holds the parameters and graphs.
+stages' graphs, through a ``StepRunner`` (``runtime/step_runner.py``): its stage graphs and inputs,
+the step's leaves and the loss's divisor, and the module's transfer settings.
 
 - ``F``: run the stage's graph on the received boundary (a leaf that requires grad), keep the input and
   the output until the backward, and queue the output for the next stage;
@@ -31,38 +32,6 @@ class PipelineError(RuntimeError):
     """A pipeline transfer failed or timed out: a peer rank raised, died or is stuck."""
 
 
-def row_counts(leaves: list) -> set:
-    """The dim-0 sizes of a call's tensors (one, for a batch ``pm.step`` can split)."""
-    return {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() >= 1}
-
-
-def split_batch(leaves: list, m: int, example_leaves: list | None = None) -> list:
-    """Per microbatch, the flattened call leaves: every tensor cut into m equal slices along dim 0 (and
-    checked against the compiled microbatch's ``example_leaves``, when given)."""
-    sizes = row_counts(leaves)
-    if len(sizes) > 1:
-        raise ValueError(f"pm.step splits every tensor input along dim 0 into microbatches, but their first "
-                         f"dims differ: {sorted(sizes)}; pass batch-first tensors of one batch size")
-    batch = sizes.pop() if sizes else 1
-    if batch % m:
-        near = " or ".join(str(b) for b in (batch // m * m, batch // m * m + m) if b)
-        fits = [d for d in range(1, batch + 1) if batch % d == 0]
-        raise ValueError(f"a batch of {batch} rows cannot be split into microbatches={m}: use a batch size that "
-                         f"is a multiple of {m} (here {near}), or a microbatch count that divides {batch} "
-                         f"({', '.join(map(str, fits))}); for an epoch's short last batch, drop_last=True in the "
-                         "DataLoader")
-    mb = batch // m
-    out = [[x[i * mb:(i + 1) * mb] if isinstance(x, torch.Tensor) and x.dim() >= 1 else x for x in leaves]
-           for i in range(m)]
-    for x, ex in zip(out[0], example_leaves or ()):
-        got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
-        if got != ex:
-            raise ValueError(f"a microbatch input is {got}, but the pipeline was compiled for {ex}: pm.step "
-                             "runs the shapes of the example batch (batch size / microbatches); parallelize "
-                             "again for another batch shape")
-    return out
-
-
 class Denominator:
     """The global target count, possibly still being summed over dp."""
 
@@ -87,19 +56,19 @@ def _tag(kind: Kind, sender: int, microbatch: int, m: int) -> int:
 class Run:
     """One step on one rank: the inbox of received values, the saved activations, the pending transfers."""
 
-    def __init__(self, pm, users: list, grads_held: bool, forward_only: bool = False):   # pm: PipelineModule
-        self.pm, self.users, self.denominator = pm, users, None
+    def __init__(self, runner, users: list, grads_held: bool, forward_only: bool = False):   # runner: StepRunner
+        self.runner, self.users, self.denominator = runner, users, None
         self.forward_only = forward_only       # eval_batch: forwards alone, nothing kept for a backward
-        prog = pm.program
+        prog = runner.program
         self.sched, self.m, self.me = prog.schedule, prog.schedule.microbatches, prog.pp_rank
         self.chunks = {c.index: c for c in prog.own}
         self.inbox, self.outbox, self.saved = {}, {}, {}
         self.pending, self.sends = [], []
         self.param_inputs = {}       # stage -> the graph's parameter inputs (local, padded, cast), per step
         if forward_only:
-            self.leaves, self.reducer = pm.params.step_leaves(list(pm.params.records)), None
+            self.leaves, self.reducer = runner.params.step_leaves(list(runner.params.records)), None
         else:
-            self.leaves, self.reducer = pm._step_state(grads_held)
+            self.leaves, self.reducer = runner.step_leaves(grads_held)
         # receive buffers, the loss and its divisor live where the step computes (NCCL takes no CPU tensors)
         self.device = _step_device(self.leaves, users)
         self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -108,7 +77,7 @@ class Run:
             if a.kind is Kind.B:
                 self.last_backward[a.stage] = a
         self.param_storages = {t.untyped_storage().data_ptr() for t in self.leaves.values()} \
-            if pm.measure_memory else set()
+            if runner.measure_memory else set()
         self.held = self.peak = 0
         self.clock = StepClock(self.device)
         self.stream_waits = _backend() == "nccl"
@@ -121,10 +90,10 @@ class Run:
 
     def _post(self, a: Action) -> None:
         peer_pp = self._peer(a)
-        peer = self.pm.peers[peer_pp]
+        peer = self.runner.peers[peer_pp]
         sending = a.kind in (Kind.SEND_F, Kind.SEND_B)
         # the group of this transfer's direction (api._p2p_groups); None: the world group
-        group = self.pm.p2p_groups.get((self.me, peer_pp) if sending else (peer_pp, self.me))
+        group = self.runner.p2p_groups.get((self.me, peer_pp) if sending else (peer_pp, self.me))
         if sending:
             key = ("F" if a.kind is Kind.SEND_F else "B", a.stage, a.microbatch)
             tensor = self.outbox.pop(key).contiguous()
@@ -162,12 +131,12 @@ class Run:
                 self.inbox[key] = (a, work, tensor)
 
     def _wait(self, a: Action, work) -> None:
-        peer = self.pm.peers[self._peer(a)]
+        peer = self.runner.peers[self._peer(a)]
         try:
             # NCCL: wait() with a timeout blocks the host, polling every millisecond, where without one it
             # only makes the compute stream wait; there the group's own timeout (AUTOSHARD_TIMEOUT, which
             # NCCL's watchdog enforces by aborting the process with an error) bounds a dead peer instead
-            ok = work.wait() if self.stream_waits else work.wait(self.pm.timeout)
+            ok = work.wait() if self.stream_waits else work.wait(self.runner.timeout)
         except Exception as e:  # noqa: BLE001 - name the peer, whatever the backend raised
             raise PipelineError(f"pipeline rank {self.me}: {a} (with global rank {peer}) failed after "
                                 f"{self.clock.host_seconds():.1f} s: {type(e).__name__}: "
@@ -175,7 +144,7 @@ class Run:
                                 "raised or died: see its error") from e
         if ok is False:
             raise PipelineError(f"pipeline rank {self.me}: {a} (with global rank {peer}) did not complete within "
-                                f"AUTOSHARD_TIMEOUT={self.pm.timeout.total_seconds():.0f} s")
+                                f"AUTOSHARD_TIMEOUT={self.runner.timeout.total_seconds():.0f} s")
 
     def _take(self, key):
         value = self.inbox.pop(key)
@@ -194,11 +163,11 @@ class Run:
         if a.stage > 0:
             x = self._take(("F", a.stage, a.microbatch)).detach().requires_grad_(not self.forward_only)
         t0 = self.clock.mark()
-        graph = self.pm.graphs[str(a.stage)]
+        graph = self.runner.graph(a.stage)
         if a.stage not in self.param_inputs:   # once per step: the same local leaves feed every microbatch
-            self.param_inputs[a.stage] = self.pm.params.local_inputs(chunk.params, self.leaves)
-        inputs = self.pm._inputs(chunk, x, self.users[a.microbatch], self.param_inputs[a.stage])
-        saved = _SavedBytes(self.param_storages) if self.pm.measure_memory else None
+            self.param_inputs[a.stage] = self.runner.params.local_inputs(chunk.params, self.leaves)
+        inputs = self.runner.stage_inputs(chunk, x, self.users[a.microbatch], self.param_inputs[a.stage])
+        saved = _SavedBytes(self.param_storages) if self.runner.measure_memory else None
         if saved is None:
             out = graph(*inputs)
         else:
@@ -250,7 +219,7 @@ class Run:
         # one stream and completes a batch as one work, so a batch of every receive would finish only with
         # the step's last: there each receive is posted at its place in the action list (batched with the
         # sends next to it, one batch per direction's group)
-        early = self.pm.post_receives_early
+        early = self.runner.post_receives_early
         up_front = _backend() == "gloo" if early is None else early
         if up_front:
             for a in actions:
@@ -258,7 +227,7 @@ class Run:
                     self._post(a)
             self._flush()
         # counted while the first receive is in flight (a later stage waits for it anyway)
-        self.denominator = self.pm._denominator(self.users, self.device)
+        self.denominator = self.runner.denominator(self.users, self.device)
         for a in actions:
             if a.is_compute:
                 self._flush()

@@ -1,14 +1,23 @@
-"""``ParallelModule``: the user-facing module holding one rank's parameters and its compiled programs.
+"""``ParallelModule``: the one ``nn.Module`` a user holds, on every mesh.
 
-A program is compiled for one set of input shapes, dtypes, non-tensor values and one mode (train or
-eval: dropout and anything else export bakes in). ``forward`` looks the call up in a bounded cache and,
-on a miss, compiles a new program through ``compiler`` (a callable the API hands in; the runtime never
-imports the compiler), with every parameter pinned to the placement it already has, so all programs
-share the same shards. As ``torch.compile`` does on a new shape, and logged.
+It keeps what is this rank's and lives as long as training does: the parameter shards
+(``ShardedParameters``), the model's buffers (registered as ``b0``, ``b1``, ... the first time a program
+reads one), the state dicts under the model's own names, and the settings a loop may change
+(``bucket_bytes``, ``max_programs``, ``measure_memory``, ...). What runs is in the runners, which read
+all of that from here at every call:
+
+- ``ForwardRunner`` (``forward_runner.py``): ``pm(...)``'s forward programs (pp = 1), a bounded cache
+  of one per call shape and mode;
+- ``StepRunner`` (``step_runner.py``): ``pm.step`` and ``pm.eval_batch``, one per step program (a
+  pipeline of one stage or more), also cached per batch shape and mode.
+
+The compilers are passed in at construction (``api.parallelize`` hands them in; the runtime never imports
+the compiler): ``compiler(args, kwargs, training, pins) -> Program`` for a new forward call, and
+``step_compiler(args, kwargs, training) -> PipelineProgram`` for a new batch shape or mode of ``step``.
 """
 from __future__ import annotations
 
-import hashlib
+import datetime
 import logging
 import time
 
@@ -16,35 +25,36 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autoshard.ir import meta as M
-from autoshard.ir.errors import InputError
-from autoshard.ir.options import check_finite_enabled, check_replicas_every
+from autoshard.ir.options import check_finite_enabled, check_replicas_every, dump_dir, pg_timeout_seconds
+from autoshard.ir.pipeline import PipelineProgram
 from autoshard.ir.program import Program
 from autoshard.runtime import training
-from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch
-from autoshard.runtime.bind import bind
 from autoshard.runtime.comm import AxisComm
 from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
-from autoshard.runtime.input_checks import check_dtype_kinds, check_inputs, naming_new_shapes
 from autoshard.runtime.device import mesh_device, owned, owned_constant, to_device
+from autoshard.runtime.forward_runner import ForwardRunner
+from autoshard.runtime.input_checks import check_dtype_kinds, naming_new_shapes
 from autoshard.runtime.params import ShardedParameters, model_buffers
-from autoshard.runtime.pipeline import PipelineModule
-from autoshard.runtime.program_cache import ProgramCache, ProgramKey, program_key
+from autoshard.runtime.program_cache import ProgramCache, program_key
+from autoshard.runtime.step_runner import StepRunner
 
 log = logging.getLogger("autoshard")
 
 
 class ParallelModule(training.TrainingMethods, nn.Module):
-    """Runs this rank's compiled programs on its parameter shards (any torch optimizer).
+    """This rank's shards of a parallelized model, run by its compiled programs (any torch optimizer).
 
-    ``forward`` takes the same inputs as the original model and returns the same structure.
-    ``comms`` maps each mesh axis to this rank's ``AxisComm`` (``None``: single-rank communicators);
-    ``tp_mesh`` (a 1-D DeviceMesh) makes the parameters DTensors; ``compiler(args, kwargs, training,
-    pins)`` compiles a program for a new call (``None``: other shapes are an error).
+    ``program`` is the first compiled: a ``Program`` (pp = 1: ``forward`` takes the model's inputs and
+    returns its outputs) or a ``PipelineProgram`` (this rank's stages: train with ``step``). ``comms``
+    maps each mesh axis to this rank's ``AxisComm`` (``None``: single-rank communicators); ``tp_mesh`` (a
+    1-D DeviceMesh) makes the parameters DTensors. ``peers[i]`` is the global rank of pipeline rank i;
+    ``tie_groups`` maps a weight held on several pp ranks to their process group; ``p2p_groups`` maps
+    (src, dst) pp ranks to the group of that direction's transfers.
     """
 
-    def __init__(self, program: Program, model: nn.Module, comms: dict | None = None, tp_mesh=None,
-                 compiler=None, max_programs: int = 8, step_compiler=None):
+    def __init__(self, program: Program | PipelineProgram, model: nn.Module, comms: dict | None = None,
+                 tp_mesh=None, *, compiler=None, step_compiler=None, max_programs: int = 8,
+                 peers: list | None = None, tie_groups: dict | None = None, p2p_groups: dict | None = None):
         super().__init__()
         coords = program.coords
         self.comms = comms if comms is not None else {
@@ -60,127 +70,139 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self._model_buffers = model_buffers(model, self._persistent)   # a buffer on meta rebuilt, as the model would
         self._buffer_names = []              # the model's buffers, registered as b0, b1, ... (names may hold "__")
         self._buffer_attr = {}               # buffer name -> its attribute (b0, b1, ...)
-        self._check_every = check_replicas_every()
-        self._compiler, self.max_programs = compiler, max_programs
-        self._programs = ProgramCache(lambda: self.max_programs, "program")   # key -> (Program, bound graph, constants)
-        self.compile_log = []              # (ProgramKey, seconds) per program compiled after the first
-        self._batch_checks = {}              # ProgramKey -> calls whose batch was checked across tp ranks
-        self._steps = 0
-        self._step_compiler = step_compiler
+        # --- the pipeline around this rank (pp = 1: none) ----------------------------------------------
+        pipelined = isinstance(program, PipelineProgram)
+        self.peers = peers or [program.rank]
+        self.tie_groups = dict(tie_groups or {})
+        self.p2p_groups = dict(p2p_groups or {})
+        # a tied weight is counted once in the gradient norm: by the lowest pp rank holding it
+        self.duplicate_params = ({n for n, ranks in program.ties().items() if ranks[0] != program.pp_rank}
+                                 if pipelined else set())
+        # --- settings a training loop may change; every runner reads them at each call ------------------
+        self.max_programs = max_programs         # programs kept per runner cache (parallelize(max_programs=))
         self.bucket_bytes = DEFAULT_BUCKET_BYTES   # dp gradient buckets of pm.step (DDP's bucket_cap_mb)
         self.first_bucket_bytes = None             # None: 1 MiB on CUDA, as the others on CPU (data_parallel.py)
-        self.zero = 0                              # pm.optimizer's default ZeRO stage (parallelize(zero=...))
-        self.__dict__["_stepper"] = None     # the last pm.step executor: shares self.params, not a submodule
-        self.__dict__["_steppers"] = ProgramCache(lambda: self.max_programs, "pm.step program", on_drop=lambda s: s.close())
-        self.train(model.training)
-        self._check_ranks_agree(program)
-        training.check_same_weights(model, "parallelize", program.mesh.size)   # over the world: tp, dp, pp ranks
-        captured = program.captured
-        sig = tuple(leaf + (rg,) if isinstance(leaf, tuple) and len(leaf) == 2 and isinstance(leaf[1], torch.dtype)
-                    else leaf for leaf, rg in zip(captured.example_leaves, captured.example_requires_grad))
-        self._first = program
-        self._add(ProgramKey(bool(model.training), sig, str(captured.in_spec)), program)
+        self.zero = getattr(program.options.pipeline, "zero", 0)   # pm.optimizer's default ZeRO stage
+        self.post_receives_early = None      # every receive posted at the step's start: None = on gloo only
+        self.timeout = datetime.timedelta(seconds=pg_timeout_seconds())
+        # count the bytes each microbatch's forward saves for backward (a saved_tensors_hooks callback per
+        # saved tensor, a few percent of a step on CPU): on when dumping, or set it for a benchmark
+        self.measure_memory = dump_dir(program.options.dump) is not None
+        self._check_every = check_replicas_every()
+        self._steps = 0                      # training forwards run by pm(...)
+        self.train(model.training if not pipelined else True)
+        training.check_same_weights(model, "parallelize", program.mesh.size)   # tp, dp, pp ranks and tied copies
+        # --- the runners ----------------------------------------------------------------------------------
+        self.__dict__["_step_compiler"] = step_compiler
+        self.__dict__["_forward"] = None if pipelined else ForwardRunner(self, program, compiler)
+        self.__dict__["_first_runner"] = StepRunner(self, program) if pipelined else None
+        self.__dict__["_runners"] = ProgramCache(lambda: self.max_programs, "step program",
+                                                 on_drop=lambda r: r.close())
+        self.__dict__["runner"] = self._first_runner     # the runner of the last step (timelines read it)
         training.register_state_dict_names(self)
 
-    # --- programs -------------------------------------------------------------------------------------
-    @property
-    def program(self) -> Program:
-        """The first program compiled (the example inputs', in the model's mode at parallelize time)."""
-        return self._first
-
-    @property
-    def programs(self) -> list:
-        return [entry[0] for entry in self._programs.values()]
-
-    def _buffer(self, name):
-        return getattr(self, self._buffer_attr[name])
-
-    def _ensure_buffer(self, name) -> bool:
-        """Register model buffer ``name`` here (a copy, once) if a program reads it; False if it is not one."""
-        if name not in self._model_buffers:
-            return False
+    # --- what the runners read ------------------------------------------------------------------------
+    def buffer(self, name: str) -> torch.Tensor | None:
+        """Model buffer ``name`` as this module holds it (registered here, a copy, the first time a program
+        reads it, so state loads and ``.to()`` reach every program); None if the model has no such buffer."""
         if name not in self._buffer_attr:
+            if name not in self._model_buffers:
+                return None
             self._buffer_attr[name] = f"b{len(self._buffer_names)}"
             self.register_buffer(self._buffer_attr[name], owned(self._model_buffers[name], self.device),
                                  persistent=name in self._persistent)
             self._buffer_names.append(name)
-        return True
+        return getattr(self, self._buffer_attr[name])
 
-    def _step_buffer(self, name):
-        """A buffer for the ``pm.step`` executor: this module's own, so loads and ``.to()`` reach the step."""
-        if not self._ensure_buffer(name):
-            raise ValueError(f"buffer '{name}' of the step program was not found in the model")
-        return self._buffer(name)
+    def program_constant(self, program, name: str) -> torch.Tensor:
+        """A constant ``program`` reads that is not a model buffer: one export lifted from its trace."""
+        if name not in program.captured.constants:
+            raise ValueError(f"buffer or constant '{name}' of the captured graph was not found in the model")
+        return owned_constant(program.captured.constants[name], name, self.device)
 
-    def _add(self, k, program):
-        """Cache a program. The model's buffers are shared by every program; constants the forward makes
-        (``torch.tensor(...)``, lifted by export as ``lifted_tensor_0``, ...) belong to their program alone:
-        export numbers them per trace, so another program's ``lifted_tensor_0`` is another tensor."""
-        constants = {}
-        for name in program.captured.buffer_names:
-            if self._ensure_buffer(name):
-                continue
-            if name in program.captured.constants:
-                constants[name] = owned_constant(program.captured.constants[name], name, self.device)
-            else:
-                raise ValueError(f"buffer or constant '{name}' of the captured graph was not found in the model")
-        self._programs.put(k, (program, bind(program.gm, self.comms, self.device, program.options.codegen), constants))   # (.program keeps the first)
+    def _held_buffers(self) -> dict:
+        return {b: self.buffer(b) for b in self._buffer_names}
 
-    def _program_for(self, leaves, spec):
-        k = program_key(self.training, leaves, spec)
-        if k in self._programs:
-            return self._programs.get(k)
-        first = self.program
-        check_dtype_kinds(leaves, first.captured)     # dtypes are in the key: only a new program can be wrong
-        if self._compiler is None:
-            self._explain_mismatch(leaves, spec, first)
-        start = time.perf_counter()
-        args, kwargs = pytree.tree_unflatten(leaves, spec)
-        pins = {r.name: r.spec.tp for r in first.params}
-        with naming_new_shapes(leaves, first.captured):
-            program = self._compiler(args, kwargs, self.training, pins)
-        theirs = {(r.name, r.global_shape) for r in program.params}
-        ours = {(r.name, r.global_shape) for r in first.params}
-        if not theirs <= ours:
-            raise RuntimeError(f"the {'train' if self.training else 'eval'}-mode program for these inputs reads "
-                               f"parameters the first one did not: {sorted(theirs - ours)}")
-        self._check_ranks_agree(program)
-        self._add(k, program)
-        seconds = time.perf_counter() - start
-        self.compile_log.append((k, seconds))
-        log.info("autoshard: compiled a %s-mode program for new inputs %s in %.2f s (%d of at most %d cached)",
-                 "train" if self.training else "eval", k.inputs, seconds, len(self._programs), self.max_programs)
-        return self._programs.get(k)
+    # --- programs -------------------------------------------------------------------------------------
+    @property
+    def program(self) -> Program | PipelineProgram:
+        """The first program compiled (the example inputs', in the model's mode at parallelize time)."""
+        return self._forward.first if self._forward is not None else self._first_runner.program
 
-    @staticmethod
-    def _explain_mismatch(leaves, spec, program):
-        captured = program.captured
-        if spec != captured.in_spec:
-            raise InputError(f"inputs do not match the example inputs the model was compiled with: got structure "
-                            f"{spec}, compiled for {captured.in_spec}; pass the same arguments")
-        for i, (x, ex) in enumerate(zip(leaves, captured.example_leaves)):
-            got = (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
-            if got != ex:
-                raise ValueError(f"input {i} is {got}, compiled for {ex}: this program was compiled for static "
-                                 "shapes and dtypes; parallelize compiles new ones on first use")
-        raise ValueError("this program was compiled for the other mode (train/eval); parallelize compiles both")
+    @property
+    def programs(self) -> list:
+        if self._forward is not None:
+            return [b.program for b in self._forward.programs.values()]
+        return [self._first_runner.program] + [r.program for r in self._runners.values()]
 
-    # --- forward ----------------------------------------------------------------------------------------
+    @property
+    def forward_graphs(self) -> list:
+        """The bound graph of each forward program held now (pp = 1), most recently used last."""
+        return [b.graph for b in self._forward.programs.values()] if self._forward is not None else []
+
+    @property
+    def compile_log(self) -> list:
+        """``(ProgramKey, seconds)`` per forward program compiled after the first."""
+        return self._forward.compile_log if self._forward is not None else []
+
+    @property
+    def schedule(self):
+        """The pipeline schedule of the last step (the first program's before any)."""
+        runner = self.runner or self._first_runner
+        return runner.schedule if runner is not None else None
+
+    @property
+    def graphs(self) -> nn.ModuleDict:
+        """The first step program's bound stage graphs, by stage index."""
+        return (self.runner or self._first_runner).graphs
+
+    @property
+    def step_runners(self) -> list:
+        """Every step program's runner held now (the first one of a pipeline included)."""
+        return ([self._first_runner] if self._first_runner is not None else []) + self._runners.values()
+
+    def _runner_for(self, args, kwargs, training: bool) -> StepRunner:
+        """The runner of the step program for this batch's shapes and mode: the first program, or one
+        compiled on first use (an epoch's short last batch, eval mode) on the first's cuts and placements,
+        so every runner works on the same parameter shards."""
+        first = self._first_runner
+        if training and first is not None and first.compiled_for(args, kwargs):
+            return first
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        key = program_key(training, leaves, spec)
+        runner = self._runners.get(key)
+        if runner is None:
+            check_dtype_kinds(leaves, self.program.captured)     # before a step program is compiled for them
+            if self._step_compiler is None:
+                raise RuntimeError("pm.step for another batch shape or mode needs the compiler: build the module "
+                                   "with autoshard.parallelize")
+            start = time.perf_counter()
+            m = first.schedule.microbatches if first is not None else 1
+            with naming_new_shapes(leaves, self.program.captured, m):
+                program = self._step_compiler(args, kwargs, training)
+            if first is not None and ({c.index: c.param_names for c in program.own}
+                                      != {c.index: c.param_names for c in first.program.own}):
+                raise RuntimeError(f"the {'training' if training else 'eval'}-mode program for these inputs puts "
+                                   "other parameters on this rank's stages than the first program: evaluate the "
+                                   "single-device model on pm.full_state_dict()")
+            runner = self._runners.put(key, StepRunner(self, program, training))
+            if first is not None or len(self._runners) > 1:
+                log.info("autoshard: compiled a %s step program for inputs %s in %.2f s",
+                         "training" if training else "eval", key.inputs, time.perf_counter() - start)
+        return runner
+
+    # --- calls ----------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self._forward is None:
+            raise TypeError("a pipelined model runs whole batches: call pm.step(*batch) (forward and backward over "
+                            "the microbatches, returning the loss) or pm.eval_batch(*batch) (the eval-mode loss, no "
+                            "gradients); pm(...) runs a forward only for pp=1")
         if self.training and self.comms["dp"].size > 1:
             raise RuntimeError(f"with data parallelism (dp={self.comms['dp'].size}) train with pm.step(*local_batch): "
                                "it sums the gradients over dp ranks; a training forward here would leave each "
                                "replica's gradients unsynchronised. pm.eval() forwards are fine")
         leaves, spec = pytree.tree_flatten(to_device((args, kwargs), self.device))
-        program, graph, constants = self._program_for(leaves, spec)
-        key = program_key(self.training, leaves, spec)
-        if self._batch_checks.get(key, 0) < CHECKED_CALLS:   # every tp rank given the same batch
-            self._batch_checks[key] = self._batch_checks.get(key, 0) + 1
-            check_same_batch(self.comms, leaves, "pm(...)")
-        user = [leaves[i] for i in program.captured.input_leaves]  # the leaves the graph reads (tensors)
-        check_inputs(program.captured.index_ranges, dict(zip(program.captured.user_input_names, user)))
-        buffers = [constants[b] if b in constants else self._buffer(b) for b in program.captured.buffer_names]
-        flat = graph(*self.params.call_inputs(program.params), *buffers, *user)
+        flat, program = self._forward.run(leaves, spec, self.training)
         if self.training:
             self._steps += 1
             if check_finite_enabled(program.options.check_finite):
@@ -189,74 +211,64 @@ class ParallelModule(training.TrainingMethods, nn.Module):
                 self.check_replicas()
         return pytree.tree_unflatten(list(flat), program.captured.out_spec)
 
-    def step(self, *args, **kwargs):
-        """Forward and backward of the whole batch: returns the loss and leaves the gradients in ``.grad``.
-        With ``parallelize(..., microbatches=m)`` the batch runs as m microbatches (gradient accumulation)
-        whose loss is the whole batch's: the mean cross-entropy is summed and divided by the batch's count
-        of non-ignored targets (``passes/microbatch_loss.py``), so uneven ``ignore_index`` counts are exact.
-        Another batch shape (an epoch's short last batch) compiles its own step program on first use, as
-        ``forward`` does; the executors share the parameters (at most ``max_programs`` are kept)."""
-        return self._stepper_for(args, kwargs).step(*args, **kwargs)     # it moves the batch to the device
+    def step(self, *args, **kwargs) -> torch.Tensor:
+        """Forward and backward of the whole batch: returns the loss (on every rank) and leaves each local
+        shard's gradient in ``.grad`` (accumulated, as ``backward`` does). With ``microbatches=m`` the
+        batch runs as m microbatches (gradient accumulation, or the pipeline's schedule) whose loss is the
+        whole batch's: the summed cross-entropy divided by the batch's count of non-ignored targets
+        (``passes/microbatch_loss.py``), so uneven ``ignore_index`` counts are exact. After ``pm.eval()``,
+        as after ``model.eval()`` in torch, forward and backward run without dropout. Another batch shape
+        compiles its own step program on first use (at most ``max_programs`` are kept)."""
+        if not torch.is_grad_enabled():
+            raise RuntimeError("pm.step runs forward and backward and cannot run under torch.no_grad(); for a "
+                               "validation loss call pm.eval_batch(*batch) (eval mode, no gradients)")
+        args, kwargs = to_device((args, kwargs), self.device)
+        runner = self.__dict__["runner"] = self._runner_for(args, kwargs, self.training)
+        return runner.step(args, kwargs)
 
-    def eval_batch(self, *args, **kwargs):
-        """The loss of a batch in eval mode (no dropout, no gradients), as ``step`` takes it and returns it
-        (with dp, the global batch's loss on every rank): a validation loss."""
-        return self._stepper_for(args, kwargs).eval_batch(*args, **kwargs)
+    def eval_batch(self, *args, **kwargs) -> torch.Tensor:
+        """The loss of a batch in eval mode (no dropout), forward only, on every rank: the same inputs and
+        loss as ``step`` (the global batch's, over microbatches and dp), no gradients and no activations
+        kept. Its program is compiled on first use (per batch shape), on the training program's stage cuts
+        and placements, so it runs on the same parameter shards."""
+        args, kwargs = to_device((args, kwargs), self.device)
+        return self._runner_for(args, kwargs, training=False).eval_batch(args, kwargs)
 
-    def _stepper_for(self, args, kwargs):
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        key = program_key(True, leaves, spec)
-        stepper = self._steppers.get(key)
-        if stepper is None:     # a new batch shape (the last, short batch of an epoch): its own step program
-            check_dtype_kinds(leaves, self.program.captured)     # before a step program is compiled for them
-            if self._step_compiler is None:
-                raise RuntimeError("pm.step needs the compiler: build the module with autoshard.parallelize")
-            pins = {r.name: r.spec.tp for r in self.program.params}
-            start = time.perf_counter()
-            with naming_new_shapes(leaves, self.program.captured):
-                program = self._step_compiler(args, kwargs, pins)
-            stepper = PipelineModule(program, None, self.comms, params=self.params, buffer_source=self._step_buffer,
-                                     device=self.device)
-            stepper.bucket_bytes, stepper.first_bucket_bytes = self.bucket_bytes, self.first_bucket_bytes
-            stepper._twin_compiler = (lambda train, a, kw, training, p=pins:
-                                      self._step_compiler(a, kw, p, training=training))
-            self._steppers.put(key, stepper)
-            if len(self._steppers) > 1:
-                log.info("autoshard: compiled a pm.step program for new inputs %s in %.2f s", key.inputs,
-                         time.perf_counter() - start)
-        stepper.max_programs = self.max_programs      # its twins (eval mode) follow this module's limit
-        stepper.train(self.training)                  # pm.eval(): steps run the eval-mode program (no dropout)
-        self.__dict__["_stepper"] = stepper
-        return stepper
-
-    # --- checks ----------------------------------------------------------------------------------------------
-    def _check_ranks_agree(self, program):
-        """All tp ranks must run the same plan; say so (on every rank) if they do not. One small all-gather
-        per program: a rank with another plan would run other collectives (a hang or wrong numbers)."""
-        group = self.tp.group
-        if group is None:
-            return
-        plan = hashlib.sha1(repr([(n.name, M.SPEC.get(n, None), M.LOCAL_SHAPE.get(n, None))
-                                  for n in program.gm.graph.nodes]).encode()).hexdigest()
-        every = self.tp.all_gather_objects(plan)
-        if len(set(every)) > 1:
-            raise RuntimeError("tensor-parallel ranks compiled different plans (different example inputs, "
-                               "models or autoshard versions?): every rank must call parallelize identically")
-
-    # --- full state dicts -------------------------------------------------------------------------------
+    # --- state ----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def full_state_dict(self):
-        """Original names and full shapes (tied names included), loadable by the single-device model."""
-        out = {name: self.gather(name, p.detach()).clone() for name, p in self.local_parameters().items()}
-        for alias, main in self.aliases.items():
-            out[alias] = out[main]
+    def full_state_dict(self) -> dict:
+        """The single-device state dict (original names, full shapes, tied names included), on every rank:
+        each pp rank gathers its stages' shards over tp, then the stages are exchanged over pp."""
+        pp = self.comms["pp"]
+        # across pp on the CPU: all_gather_object pickles, and a CUDA tensor would unpickle on its sender's device
+        move = (lambda t: t.cpu()) if pp.size > 1 else (lambda t: t)
+        out = {name: move(self.gather(name, p.detach())).clone() for name, p in self.local_parameters().items()}
         for b in self._buffer_names:
             if b in self._persistent:
-                out[b] = self._buffer(b).clone()
+                out[b] = move(self.buffer(b)).clone()
+        if pp.size > 1:
+            out = {k: v for part in pp.all_gather_objects(out) for k, v in part.items()}
+        for alias, main in self.aliases.items():
+            if main in out:
+                out[alias] = out[main]
         return out
 
-    def _held_buffers(self) -> dict:
-        return {b: self._buffer(b) for b in self._buffer_names}
+    # --- the last step's timeline ---------------------------------------------------------------------
+    @property
+    def last_dp_wait(self) -> float:
+        """Seconds the last step's end waited for its dp all-reduces (what backward did not hide)."""
+        reducer = self.runner.dp_reducer if self.runner is not None else None
+        return reducer.waited_seconds() if reducer is not None else 0.0
+
+    @property
+    def last_timeline(self):
+        """This rank's timeline of the last ``step``: when each of its actions ran, from the clock that saw
+        it run (CUDA events on a GPU, so reading it waits for that step's work)."""
+        return self.runner.last_timeline if self.runner is not None else None
+
+    def measured_timeline(self):
+        """The last step's timeline over every pp rank (a collective over pp): what the dump draws."""
+        return self.runner.measured_timeline()
 
 
 def _scalar_loss(flat):

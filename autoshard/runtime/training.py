@@ -144,7 +144,7 @@ def check_same_weights(model, where: str, mesh_size: int) -> None:
 
 
 class TrainingMethods(CommCounting):
-    """What ``ParallelModule`` and ``PipelineModule`` both give a training loop, over ``self.params``
+    """What ``ParallelModule`` gives a training loop, over ``self.params``
     (``ShardedParameters``) and ``self.comms`` (one AxisComm per mesh axis)."""
 
     @property
@@ -228,8 +228,8 @@ class TrainingMethods(CommCounting):
 
 
 def register_state_dict_names(module) -> None:
-    """``state_dict()`` and ``load_state_dict()`` of a ``ParallelModule`` or ``PipelineModule`` under the
-    model's own names (both hold ``params`` and buffers registered as ``b0``, ``b1``, ...)."""
+    """``state_dict()`` and ``load_state_dict()`` of a ``ParallelModule`` under the model's own names
+    (it holds ``params`` and buffers registered as ``b0``, ``b1``, ...)."""
     module._register_state_dict_hook(_state_dict_names)
     module._register_load_state_dict_pre_hook(_load_state_dict_names, with_module=True)
 

@@ -60,7 +60,7 @@ def _gpt(mesh, **options):
 
 def _train(pm, idx, tgt):
     """What a user's loop runs: pm.step on a pipeline or with dp, else pm(...) + backward."""
-    if isinstance(pm, autoshard.PipelineModule) or pm.comms["dp"].size > 1:
+    if pm.comms["pp"].size > 1 or pm.comms["dp"].size > 1:
         return pm.step(idx, tgt)
     loss = pm(idx, tgt)[1]
     loss.backward()

@@ -74,7 +74,7 @@ def _tp_parity(rank, world, kind):
     args, kwargs = batch(kind, vocab)
     pm = autoshard.parallelize(model, autoshard.init_mesh(tp=world), args, kwargs, loss_only=True,
                                codegen="inductor")
-    graph = next(iter(pm._programs._entries.values()))[1]
+    graph = pm.forward_graphs[0]
     loss = loss_and_logits(kind, pm(*args, **kwargs))[0]
     rloss = loss_and_logits(kind, ref(*args, **kwargs))[0]
     loss.backward()

@@ -104,6 +104,6 @@ def moe_aux_loss_pipeline(rank, world, dims: dict, options: dict | None = None, 
     pm = autoshard.parallelize(model, autoshard.init_mesh(**dims), (), kw, microbatches=2, **(options or {}))
     loss = float(pm.step(**kw))
     worst = worst_gradient(pm, ref_grads, unused_in_reference=True)
-    plan = pm.program.plan if hasattr(pm, "program") else pm._stepper.program.plan
+    plan = pm.program.plan if hasattr(pm.program, "plan") else pm.runner.program.plan
     return dict(loss=loss, want=float(want.detach()), worst=worst, carried=[len(c) for c in plan.carried],
                 layers=[c.layers for c in plan.costs])

@@ -92,7 +92,7 @@ def zero_groups_scheduler_frozen_and_checkpoint(rank, world, path):
     ref.load_state_dict(after2)
     _, want_short = ref(*short)
     short_eval = float(pm2.eval_batch(*autoshard.local_batch((short, {}), mesh)[0]))   # pp = 1: a validation loss
-    return dict(short_loss=short_loss, want_short=float(want_short), steppers=len(pm2._steppers),
+    return dict(short_loss=short_loss, want_short=float(want_short), steppers=sum(r.training_mode for r in pm2.step_runners),
                 short_eval=short_eval,
                 losses=losses, want_losses=want_losses, worst=worst, start=start, straight=straight,
                 resumed=resumed, same=all(torch.equal(after[k], after2[k]) for k in after),
@@ -220,7 +220,7 @@ def eval_batch_is_the_eval_mode_loss(rank, world):
     with torch.no_grad():
         want_short = float(ref(*[t[:4] for t in _global(1)])[1])
     bounded = [float(pm.eval_batch(*short)), float(pm.eval_batch(*autoshard.local_batch((_global(1), {}), mesh)[0]))]
-    twins = len(pm._twins)
+    twins = len(pm.step_runners) - 1      # beside the first program's runner
     # pm.eval() then pm.step: as model.eval() then backward in torch, a step without dropout
     for p in pm.parameters():
         p.grad = None

@@ -147,7 +147,6 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
             rnorm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip))
             norms.append(abs(norm - rnorm) / rnorm)
         opt.step(); ropt.step(); opt.zero_grad(); ropt.zero_grad()
-    pm = pm if not hasattr(pm, "_stepper") else pm._stepper   # pp = 1: ParallelModule.step's executor
     full = {k: v.cpu() for k, v in pm.full_state_dict().items()}
     scale = max(float(p.detach().abs().max()) for p in ref.parameters())
     final = max(float((full[n] - p).abs().max()) / scale for n, p in ref.state_dict().items() if p.is_floating_point())
@@ -158,7 +157,7 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
             every = [torch.empty_like(local) for _ in range(2)]
             torch.distributed.all_gather(every, local.contiguous(), group=pm.tie_groups[name])
             tied[name] = bool(torch.equal(every[0], every[1]))
-    prog = pm.program
+    prog = pm.runner.program          # the last step's program (pp = 1: a one-stage pipeline)
     state = opt.state_bytes() if zero else sum(v.numel() * v.element_size() for st in opt.state.values()
                                                for v in st.values() if torch.is_tensor(v) and v.dim())
     return dict(losses=losses, grads=grads, norms=norms, final=final, state_bytes=state, tied=tied, ties=prog.ties(), exact=prog.loss.exact,

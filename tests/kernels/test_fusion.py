@@ -455,7 +455,7 @@ def test_recompute_regions_survive_fusion():
                                       options=autoshard.CompileOptions(recompute=recompute, fuse=True))
         assert prog.gm.meta[M.FUSION_REPORT].groups
         pm = ParallelModule(prog, copy.deepcopy(model))
-        regions = sum(isinstance(m, Recompute) for _, bound, _ in pm._programs.values() for m in bound.modules())
+        regions = sum(isinstance(m, Recompute) for graph in pm.forward_graphs for m in graph.modules())
         torch.manual_seed(3)
         loss = pm(*args)[1]
         loss.backward()

@@ -34,7 +34,7 @@ def _single_rank(model, args, kwargs, recompute, seed=5):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = pm(*args, **kwargs)[1]
     loss.backward()
-    regions = sum(isinstance(m, Recompute) for _, bound, _ in pm._programs.values() for m in bound.modules())
+    regions = sum(isinstance(m, Recompute) for graph in pm.forward_graphs for m in graph.modules())
     return float(loss.detach()), {n: p.grad for n, p in pm.named_parameters()}, sum(saved), regions, prog
 
 

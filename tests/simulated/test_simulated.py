@@ -236,7 +236,7 @@ def test_programs_keep_their_own_constants_and_key_on_requires_grad():
             with lock:  # torch.export is not thread-safe
                 return autoshard.compile_rank(model, MeshSpec(tp=2), r, a, kw,
                                               dataclasses.replace(autoshard.CompileOptions(), pins=pins), training=training)
-        pm = ParallelModule(progs[r], model, comms, None, compiler)
+        pm = ParallelModule(progs[r], model, comms, compiler=compiler)
         train = float(pm(x)); pm.eval(); ev = float(pm(x)); pm.train()
         pm(x.clone().requires_grad_())          # an input that needs a gradient: its own program
         return train, ev, len(pm.programs), pm.program is progs[r]

@@ -171,7 +171,7 @@ def test_cost_model_prices_the_split():
 def test_each_rank_materialises_only_its_stages_also_from_meta():
     """A model built on meta: each pipeline rank creates only its own stages' parameters (no process
     group needed to build the module), and pm(...) says to call pm.step."""
-    from autoshard.runtime.pipeline import PipelineModule
+    from autoshard.runtime.module import ParallelModule
     with torch.device("meta"):
         model = build("gpt", n_layer=4, tie_weights=False)
     args, kwargs = batch("gpt", 96, B=4)
@@ -179,7 +179,7 @@ def test_each_rank_materialises_only_its_stages_also_from_meta():
     held = []
     for rank in (0, 1):
         prog = compile_pp(model, args, kwargs, rank=rank)
-        pm = PipelineModule(prog, model)
+        pm = ParallelModule(prog, model)
         mine = set(pm.local_parameters())
         assert mine == set(prog.own[0].param_names) and not any(p.is_meta for p in pm.parameters())
         held.append(mine)
@@ -226,7 +226,7 @@ def test_hf_num_items_in_batch_loss_is_summed_over_microbatches(as_tensor):
     want.backward()
     pm = autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (), kw, microbatches=2)
     got = pm.step(**kw)
-    assert pm._stepper.program.loss.exact and "num_items_in_batch" in pm._stepper.program.loss.reason
+    assert pm.runner.program.loss.exact and "num_items_in_batch" in pm.runner.program.loss.reason
     assert abs(float(got) - float(want)) <= 1e-6 * abs(float(want))
     grads = dict(ref.named_parameters())
     for name, p in pm.named_parameters():
@@ -250,7 +250,7 @@ def test_moe_aux_loss_plus_cross_entropy_is_exact_for_the_cross_entropy_term(num
     want.backward()
     pm = autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (), kw, microbatches=2)
     got = pm.step(**kw)
-    rewrite = pm._stepper.program.loss
+    rewrite = pm.runner.program.loss
     assert rewrite.exact and rewrite.scale_input and "plus other terms" in rewrite.reason
     assert ("num_items_in_batch" in rewrite.reason) == (num_items is not None)
     assert abs(float(got) - float(want)) <= 1e-6 * abs(float(want))
