@@ -24,6 +24,7 @@ import torch
 
 from autoshard.ir import meta as M
 from autoshard.passes.shapes import module_path, shape_of
+from autoshard.passes.walk import upstream
 
 aten = torch.ops.aten
 _PROJECTIONS = {aten.linear, aten.mm, aten.addmm, aten.matmul}
@@ -46,18 +47,20 @@ class AttentionLayout:
 
 def _weights_behind(node, limit=40):
     """Parameters of the projections that ``node`` is computed from (stopping at each projection)."""
-    found, seen, todo = [], set(), [node]
-    while todo and len(seen) < limit:
-        n = todo.pop()
-        if n in seen or n.op != "call_function":
-            continue
-        seen.add(n)
-        if getattr(n.target, "overloadpacket", None) in _PROJECTIONS:
+    def follow(n):      # stop at each projection, and beyond the ops of the graph
+        return n.all_input_nodes if n.op == "call_function" and not _projects(n) else ()
+
+    found = []
+    ops = (n for n in upstream([node], follow) if n.op == "call_function")
+    for _, n in zip(range(limit), ops):
+        if _projects(n):
             weights = [a for a in n.all_input_nodes if a.op == "placeholder" and M.KIND.get(a, None) == "parameter"]
             found += [w for w in weights if len(shape_of(w)) == 2]
-            continue
-        todo += n.all_input_nodes
     return found
+
+
+def _projects(n) -> bool:
+    return getattr(n.target, "overloadpacket", None) in _PROJECTIONS
 
 
 def _attentions(gm):

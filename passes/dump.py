@@ -13,13 +13,14 @@ import sympy
 import torch
 
 from autoshard.ir import meta as M
+from autoshard.ir.placement import Shard
 from autoshard.ir.program import comm_summary
 from autoshard.ir.redistribute import volume
-from autoshard.passes.cost import symbolize
 from autoshard.passes.chunk_loss import CHUNKED_LOSS
+from autoshard.passes.cost import symbolize
 from autoshard.passes.dump_fusion import chunked_loss_section, fusion_section, write_kernels
 from autoshard.passes.shapes import shape_of
-from autoshard.runtime.params import held_in_rank_order
+from autoshard.passes.walk import upstream
 
 aten = torch.ops.aten
 
@@ -96,27 +97,26 @@ def _gathers_feeding(gm, x, by_node):
     Returns ``([(node, records)], [nodes that computed the value whole themselves])``."""
     from autoshard.ir import ops
     from autoshard.passes.rules import POINTWISE, VIEW_OPS
-    found, producers, seen, todo = [], [], set(), [x]
-    while todo:
-        u = todo.pop()
-        if u in seen:
-            continue
-        seen.add(u)
+    found, producers = [], []
+
+    def follow(u):
         fwd = [c for c in by_node.get(u.name, []) if c.phase == "fwd" and c.kind in ("all_gather", "all_reduce")]
         op = gm.get_submodule(u.target) if u.op == "call_module" else None
         packet = getattr(u.target, "overloadpacket", None) if u.op == "call_function" else None
         if isinstance(op, (ops.Redistribute, ops.CopyToParallel)):
             if fwd:
                 found.append((u, fwd))
-            else:
-                todo.append(u.args[0])
-        elif packet in VIEW_OPS or packet is aten.alias:
-            todo.append(u.args[0])
-        elif packet in POINTWISE:
+                return ()
+            return [u.args[0]]
+        if packet in VIEW_OPS or packet is aten.alias:
+            return [u.args[0]]
+        if packet in POINTWISE:
             shape = M.GLOBAL_SHAPE.get(u, None)
-            todo += [a for a in u.all_input_nodes if M.GLOBAL_SHAPE.get(a, None) == shape]
-        else:
-            producers.append(u)
+            return [a for a in u.all_input_nodes if M.GLOBAL_SHAPE.get(a, None) == shape]
+        producers.append(u)
+        return ()
+    for _ in upstream([x], follow):
+        pass
     return found, producers
 
 
@@ -220,11 +220,19 @@ def write_plan(program, dump_dir):
     for p in program.params:
         L.append(f"| {p.name} | {p.spec!r} | {p.local_shape} | {p.global_shape} | {p.nbytes} |")
     L += ["", f"Parameter bytes on this rank: {sum(p.nbytes for p in program.params)}", ""]
-    rank_order = [p.name for p in program.params if held_in_rank_order(p.spec.tp)]
-    if rank_order:
-        L += ["Held in rank order (blocks of unequal size, or blocks this torch's DTensor cannot describe): take these whole from "
-              "`pm.state_dict()` or `pm.full_state_dict()`, not `full_tensor()`: "
-              + ", ".join(f"`{n}`" for n in rank_order), ""]
+    # the layout is the plan's (blocks, equal or not); whether DTensor can describe even blocks is this
+    # torch's answer, asked by the runtime when it wraps the shards (runtime/params.py:strided_shards_work)
+    unequal = [p.name for p in program.params if isinstance(p.spec.tp, Shard) and p.spec.tp.unequal]
+    blocked = [p.name for p in program.params if isinstance(p.spec.tp, Shard) and not p.spec.tp.unequal
+               and p.spec.tp.blocks > 1]
+    if unequal:
+        L += ["Held in rank order (blocks of unequal size, which no DTensor placement describes): take these whole "
+              "from `pm.state_dict()` or `pm.full_state_dict()`, not `full_tensor()`: "
+              + ", ".join(f"`{n}`" for n in unequal), ""]
+    if blocked:
+        L += ["Blocked shards (each rank holds a slice of every block): shown to DTensor as `_StridedShard` where "
+              "this torch reads it as the plan does, else held in rank order like the above: "
+              + ", ".join(f"`{n}`" for n in blocked), ""]
     if report is not None and report.attention:
         L += ["## Attention", ""] + [f"- {a}" for a in report.attention] + [""]
     L += loss_section(program)

@@ -28,6 +28,7 @@ import torch.fx as fx
 from autoshard.ir import meta as M
 from autoshard.ir.pipeline import LOSS_REWRITE, LossRewrite
 from autoshard.passes.rules_vocab import cross_entropy_args
+from autoshard.passes.walk import upstream
 
 aten = torch.ops.aten
 MEAN, SUM = 1, 2
@@ -57,19 +58,13 @@ def loss_node(gm: fx.GraphModule) -> fx.Node:
 def _count_graph(target: fx.Node, ignore_index: int):
     """A graph from the user inputs to ``(target != ignore_index).sum()``, or a reason it cannot be cut
     out (the targets depend on a parameter or a buffer)."""
-    needed, stack = [], [target]
-    seen = set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    needed = []
+    for n in upstream([target]):
         if n.op == "placeholder" and M.KIND.get(n, None) != "input":
             return None, f"the targets are computed from {M.KIND.get(n, 'a')} '{M.NAME.get(n, n.name)}'"
         if n.op not in ("placeholder", "call_function"):
             return None, f"the targets are computed by {n.op} '{n.name}'"
         needed.append(n)
-        stack.extend(n.all_input_nodes)
     order = {n: i for i, n in enumerate(target.graph.nodes)}
     g, env, inputs = fx.Graph(), {}, []
     for n in sorted(needed, key=order.__getitem__):
@@ -97,12 +92,8 @@ def _shared_divisor(loss: fx.Node) -> str | None:
         return None
     if not isinstance(d, fx.Node):
         return repr(d) if isinstance(d, (int, float)) else None
-    stack, seen, names = [d], set(), []
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    names = []
+    for n in upstream([d]):
         if n.op == "placeholder":
             kind, v = M.KIND.get(n, None), n.meta.get("val")
             if kind == "parameter" or (kind == "input" and not (isinstance(v, torch.Tensor) and v.dim() == 0)):
@@ -110,7 +101,6 @@ def _shared_divisor(loss: fx.Node) -> str | None:
             names.append(M.NAME.get(n, n.name))
         elif n.op not in ("call_function", "get_attr"):
             return None
-        stack.extend(n.all_input_nodes)
     return ", ".join(f"'{x}'" for x in sorted(names)) or "a constant"
 
 
@@ -138,15 +128,7 @@ def _mean_term(loss: fx.Node) -> fx.Node | None:
 
 
 def _reads(n: fx.Node, target: fx.Node) -> bool:
-    stack, seen = [n], set()
-    while stack:
-        x = stack.pop()
-        if x is target:
-            return True
-        if x not in seen:
-            seen.add(x)
-            stack.extend(x.all_input_nodes)
-    return False
+    return any(x is target for x in upstream([n]))
 
 
 def _scale_placeholder(gm: fx.GraphModule, like: fx.Node) -> fx.Node:

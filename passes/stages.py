@@ -24,6 +24,7 @@ from autoshard.ir.pipeline import Chunk, ChunkInput, StagePlan
 from autoshard.passes.lower import param_records
 from autoshard.passes.pipeline_split import PipelineSplitError, activations
 from autoshard.passes.shapes import module_path, writes_in_place
+from autoshard.passes.walk import upstream
 
 aten = torch.ops.aten
 
@@ -39,12 +40,8 @@ def _output_value(gm: fx.GraphModule) -> fx.Node:
 
 def _members(ends: tuple, starts: tuple, pos: dict, act: set, earliest: int) -> tuple:
     """The nodes chunk ``(starts, ends]`` computes and the placeholders it reads."""
-    members, reads, stack, seen = set(), set(), list(ends), set(starts)
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
+    members, reads = set(), set()
+    for n in upstream(ends, stop=starts):
         if n.op == "placeholder":
             reads.add(n)
             continue
@@ -53,7 +50,6 @@ def _members(ends: tuple, starts: tuple, pos: dict, act: set, earliest: int) -> 
                                      f"'{starts[0].name if starts else '(start)'}': more than the residual "
                                      "stream and the values carried beside it cross there")
         members.add(n)
-        stack.extend(n.all_input_nodes)
     return members, reads
 
 

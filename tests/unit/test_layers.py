@@ -37,3 +37,12 @@ def test_no_import_circle_in_the_runtime():
         state[m] = "done"
     for m in sorted(graph):
         visit(m, [])
+
+
+def test_the_compiler_never_imports_the_runtime():
+    """``ir/``, ``passes/`` and ``kernels/`` hold data and the passes that make it: a plan may not depend on
+    an answer the runtime gets from a live process (docs/architecture.md, "Layers")."""
+    for folder in (ROOT / "autoshard" / "ir", ROOT / "passes", ROOT / "kernels"):
+        for path in folder.glob("*.py"):
+            wrong = _imports(path, "autoshard.runtime") | (_imports(path, "autoshard") & {"runtime", "api"})
+            assert not wrong, f"{path.relative_to(ROOT)} imports the runtime: {sorted(wrong)}"
