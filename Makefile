@@ -48,9 +48,9 @@ clean:
 	rm -rf build/ *.egg-info/ .pytest_cache/ dumps/ autoshard_dump/ autoshard_checkpoint/ benchmarks/out/
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
-# on a GPU machine: parity with the single-device model on CUDA and NCCL, 1 to 8 GPUs (benchmarks/gpu_check.py)
+# on a GPU machine: parity with the single-device model on CUDA and NCCL, 1 to 8 GPUs (tests/gpu_check.py)
 gpu-check: venv
-	$(BIN)/python -m benchmarks.gpu_check
+	$(BIN)/python -m tests.gpu_check
 
 # on a lent GPU machine with its own torch and no internet: every GPU check and benchmark, in one short run
 gpu-session:

@@ -2,7 +2,8 @@
 
     python -m benchmarks.fusion [--rows 8192] [--hidden 4096] [--dtype bf16] [--out benchmarks/results]
 
-For each pattern of ``benchmarks/fusion_patterns.py`` and for a whole GPT (two layers) forward+backward:
+For each pattern of ``tests/harness/fusion_patterns.py`` (the fusion tests' fixtures) and for a whole
+GPT (two layers) forward+backward:
 - the bytes moved, counted from shapes: eager (each ATen op reads its inputs and writes its output; in
   backward, the ops autograd runs) and fused (the kernel's operands);
 - on a GPU: the time of eager, autoshard-fused and ``torch.compile`` (CUDA events, median), and each
@@ -22,7 +23,7 @@ import statistics
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from benchmarks.fusion_patterns import PATTERNS, operands
+from tests.harness.fusion_patterns import PATTERNS, operands
 
 OUT = os.path.join(os.path.dirname(__file__), "results")
 

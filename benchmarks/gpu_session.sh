@@ -40,7 +40,7 @@ GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 [ "$GPUS" -ge 1 ] || { echo "gpu_session: no CUDA device here"; exit 2; }
 
 echo "== gpu_check"
-timeout $((120 + 90 * GPUS)) "$PY" -m benchmarks.gpu_check --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log" |
+timeout $((120 + 90 * GPUS)) "$PY" -m tests.gpu_check --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log" |
     grep -E "^  (pass|FAIL)|tracebacks"
 
 echo "== a rank's whole step against torch.compile: GPT and HF Llama, bf16, AdamW(fused) (issue 23)"

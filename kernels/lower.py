@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import re
 from dataclasses import dataclass
 
 import torch
@@ -58,9 +57,12 @@ class KernelOutput:
 
 @dataclass(frozen=True)
 class Statement:
+    """``var = expr`` in the kernel body (``var += expr`` with ``accumulate``)."""
     var: str
     expr: str
+    reads: tuple = ()          # the variables ``expr`` reads: liveness and the inputs loaded come from these
     accumulate: bool = False   # a colsum: ``var += expr`` across the instance's row blocks
+    reduces_rows: bool = False  # a row reduction: the kernel needs the row template (whole rows per tile)
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,128 @@ def canonical_ids(gm: fx.GraphModule, shared: int) -> dict:
     return ids
 
 
+@dataclass(frozen=True)
+class Value:
+    """A value of the kernel body: ``expr`` names a variable (an input ``x3`` or a statement ``t7``) or,
+    with ``var`` False, is a literal. ``missing``: an input its caller did not keep (a live statement
+    reading it is an internal error)."""
+    expr: str
+    kind: str
+    boolean: bool = False
+    var: bool = True
+    missing: bool = False
+
+
+class _Lowering:
+    """One graph's lowering: the values of its nodes and the statements made so far. Each op category
+    has its method (``_CATEGORIES``); each statement records the variables it reads."""
+
+    def __init__(self, rows: int, cols: int, compute: str):
+        self.rows, self.cols, self.compute = rows, cols, compute
+        self.values: dict = {}       # node -> Value
+        self.body: list = []
+        self._seen: dict = {}        # expression -> variable: the traced backward repeats forward work
+
+    def operand(self, a) -> Value:
+        if isinstance(a, fx.Node):
+            return self.values[a]
+        return Value(_literal(a), SCALAR, isinstance(a, bool), var=False)
+
+    def emit(self, n, expr: str, kind: str, reads, boolean=False, accumulate=False, reduces_rows=False):
+        reads = tuple(r.expr for r in reads if r.var)
+        if not accumulate and expr in reads:         # a cast or copy that changes nothing: the same variable
+            self.values[n] = Value(expr, kind, boolean)
+            return
+        if not accumulate and expr in self._seen:
+            self.values[n] = Value(self._seen[expr], kind, boolean)
+            return
+        name = f"t{len(self.body)}"
+        self.body.append(Statement(name, expr, reads, accumulate, reduces_rows))
+        self._seen[expr] = name
+        self.values[n] = Value(name, kind, boolean)
+
+    # --- one method per op category ----------------------------------------------------------------
+    def power(self, n, target):
+        base, exp = self.operand(n.args[0]), n.args[1]
+        form = optable.POW_EXPONENTS.get(exp)
+        if form is None:
+            raise Unfusable(f"pow with exponent {exp} (the table has {sorted(optable.POW_EXPONENTS)})")
+        self.emit(n, form.format(base.expr), base.kind, [base])
+
+    def pointwise(self, n, target):
+        row = optable.POINTWISE[target]
+        ops = [self.operand(a) for a in n.args[:row.arity]]
+        if row.expr == "{0}" and ops[0].kind == COLSUM:   # a cast of a bias gradient: the store casts
+            self.values[n] = ops[0]
+            return
+        if target is torch.ops.aten.bitwise_not.default and not ops[0].boolean:
+            raise Unfusable("bitwise_not of an integer value (the table has it for bool masks)")
+        texts = [o.expr for o in ops]
+        alpha = n.kwargs.get("alpha", 1)
+        if alpha != 1:                        # add/sub(x, y, alpha=a) is x +- a*y
+            texts[1] = f"({texts[1]} * {_literal(alpha)})"
+        expr, boolean = row.expr.format(*texts), row.boolean
+        if row.expr == "{0}" and isinstance(n.args[0], fx.Node):   # a copy or a cast: convert what changes
+            src_dt, dst_dt = _val(n.args[0]).dtype, _val(n).dtype
+            if dst_dt == torch.bool and src_dt != torch.bool:
+                expr, boolean = f"({expr} != 0)", True
+            elif dst_dt.is_floating_point and not src_dt.is_floating_point:
+                expr = f"{expr}.to({self.compute})"      # a 1-bit or integer value becomes a number
+            elif not dst_dt.is_floating_point and dst_dt != torch.bool and src_dt.is_floating_point:
+                expr = f"{expr}.to(tl.int64)"       # truncates toward zero, as torch's cast does
+            elif dst_dt == torch.bool:
+                boolean = True
+        self.emit(n, expr, _join(o.kind for o in ops), ops, boolean)
+
+    def reduction(self, n, target):
+        row = optable.REDUCTIONS[target]
+        src = self.operand(n.args[0])
+        rank = _val(n.args[0]).dim()
+        dims = sorted({d % rank for d in (n.args[1] if len(n.args) > 1 and n.args[1] is not None else range(rank))})
+        if src.kind != FULL:
+            raise Unfusable(f"{target} of a {src.kind} value")
+        if _val(n.args[0]).numel() != self.rows * self.cols:
+            raise Unfusable(f"{target} of a value broadcast into the [{self.rows}, {self.cols}] space")
+        keepdim = n.kwargs.get("keepdim", n.args[2] if len(n.args) > 2 else False)
+        masked = f"tl.where(mask, {src.expr}, {row.identity})"
+        if dims == [rank - 1]:
+            self.emit(n, row.finish.format(f"{row.combine}({masked}, axis=1)[:, None]", n=self.cols),
+                      ROW if keepdim else ROWFLAT, [src], reduces_rows=True)
+        elif dims == list(range(rank - 1)) and row.combine == "tl.sum" and row.finish == "{0}":
+            self.emit(n, f"tl.sum({masked}, axis=0)", COLSUM, [src], accumulate=True)
+        else:
+            raise Unfusable(f"{target} over dims {dims} of a rank-{rank} value: only the last dim, or every "
+                            "dim but the last (a bias gradient), reduce in a kernel")
+
+    def view(self, n, target):
+        src = self.operand(n.args[0])
+        kind = _view_kind(src.kind, tuple(_val(n).shape), self.rows, self.cols, target)
+        self.values[n] = dataclasses.replace(src, kind=kind)
+
+    def random(self, n, target):
+        seed, shape, p, stream = n.args
+        if math.prod(shape) != self.rows * self.cols:
+            raise Unfusable(f"a dropout mask of shape {list(shape)} in the [{self.rows}, {self.cols}] space")
+        seed = self.operand(seed)
+        self.emit(n, optable.RANDOM[target](seed.expr, stream, p).format(n=self.cols), FULL, [seed])
+
+    def constant(self, n, target):
+        v = optable.CONSTANTS[target](n.args)
+        self.values[n] = self.values[v] if isinstance(v, fx.Node) else \
+            Value(_literal(v), SCALAR, isinstance(v, bool), var=False)
+
+
+# which method lowers an op: its category in kernels/optable.py (pow first: its exponent picks the form)
+_CATEGORIES = (
+    (lambda t: t is torch.ops.aten.pow.Tensor_Scalar, _Lowering.power),
+    (lambda t: t in optable.POINTWISE, _Lowering.pointwise),
+    (lambda t: t in optable.REDUCTIONS, _Lowering.reduction),
+    (lambda t: t in optable.VIEWS, _Lowering.view),
+    (lambda t: t in optable.RANDOM, _Lowering.random),
+    (lambda t: t in optable.CONSTANTS, _Lowering.constant),
+)
+
+
 def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | None = None,
           reuse: dict | None = None, shared: int = 0) -> KernelPlan:
     """The plan for primitive graph ``gm`` run on ``inputs`` (tensors with the strides it will get).
@@ -160,134 +284,75 @@ def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | N
     layer_norm(y)`` reads ``y`` rather than keeping ``x`` and ``r`` to add them again."""
     anchor = tuple(anchor)
     rows, cols = math.prod(anchor[:-1]), anchor[-1]
-    var: dict = {}           # node -> (expression name, kind, is boolean)
-    ins, body, outs = [], [], []
-    reduces_rows = False
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for i, n in enumerate(placeholders):
-        if n.users and inputs[i] is None:    # not kept by this caller: only dead statements read it
-            var[n] = ("__missing__", FULL, False)
-        elif n.users:
-            ki = _input(f"in{i}", inputs[i], anchor, (input_kinds or [None] * len(inputs))[i])
-            ins.append(dataclasses.replace(ki, var=f"x{i}"))
-            var[n] = (f"x{i}", ki.kind, inputs[i].dtype == torch.bool)
     compute = "tl.float64" if any(isinstance(t, torch.Tensor) and t.dtype == torch.float64 for t in inputs) \
         else "tl.float32"
-    held: dict = {}              # canonical id -> variable of a value the caller passes in
+    low = _Lowering(rows, cols, compute)
+    kinds = input_kinds or [None] * len(inputs)
+    ins = []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, n in enumerate(placeholders):
+        if n.users and inputs[i] is None:    # not kept by this caller: only dead statements may read it
+            low.values[n] = Value(f"m{i}", FULL, missing=True)
+        elif n.users:
+            ki = _input(f"in{i}", inputs[i], anchor, kinds[i])
+            ins.append(dataclasses.replace(ki, var=f"x{i}"))
+            low.values[n] = Value(f"x{i}", ki.kind, inputs[i].dtype == torch.bool)
+    held: dict = {}              # canonical id -> the Value of a value the caller passes in
     canon = canonical_ids(gm, shared) if reuse else {}
     for cid, i in (reuse or {}).items():
         if inputs[i] is None:      # not kept by this caller: computed again below
             continue
-        ki = _input(f"in{i}", inputs[i], anchor, (input_kinds or [None] * len(inputs))[i])
+        ki = _input(f"in{i}", inputs[i], anchor, kinds[i])
         ins.append(dataclasses.replace(ki, var=f"x{i}"))
-        held[cid] = (f"x{i}", ki.kind, inputs[i].dtype == torch.bool)
-
-    def operand(a):
-        if isinstance(a, fx.Node):
-            return var[a]
-        return (_literal(a), SCALAR, isinstance(a, bool))
-
-    seen: dict = {}          # expression -> variable: the traced backward repeats forward work
-
-    def emit(n, expr, kind, boolean=False, accumulate=False):
-        if not accumulate and re.fullmatch(r"[tx]\d+", expr):   # a cast or copy: the same variable
-            var[n] = (expr, kind, boolean)
-            return
-        if not accumulate and expr in seen:
-            var[n] = (seen[expr], kind, boolean)
-            return
-        name = f"t{len(body)}"
-        body.append(Statement(name, expr, accumulate))
-        seen[expr] = name
-        var[n] = (name, kind, boolean)
-
+        held[cid] = Value(f"x{i}", ki.kind, inputs[i].dtype == torch.bool)
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
         if canon.get(n) in held:
-            var[n] = held[canon[n]]
+            low.values[n] = held[canon[n]]
             continue
-        target, mutated = _functional(n.target), None
-        if target is not n.target:    # x.add_(y) in a decomposition: later reads of x see the result
-            mutated = n.args[0]
-        if target is torch.ops.aten.pow.Tensor_Scalar:
-            base, exp = operand(n.args[0]), n.args[1]
-            form = optable.POW_EXPONENTS.get(exp)
-            if form is None:
-                raise Unfusable(f"pow with exponent {exp} (the table has {sorted(optable.POW_EXPONENTS)})")
-            emit(n, form.format(base[0]), base[1])
-        elif target in optable.POINTWISE:
-            row = optable.POINTWISE[target]
-            ops = [operand(a) for a in n.args[:row.arity]]
-            if row.expr == "{0}" and ops[0][1] == COLSUM:   # a cast of a bias gradient: the store casts
-                var[n] = ops[0]
-                continue
-            if target is torch.ops.aten.bitwise_not.default and not ops[0][2]:
-                raise Unfusable("bitwise_not of an integer value (the table has it for bool masks)")
-            alpha = n.kwargs.get("alpha", 1)
-            if alpha != 1:                        # add/sub(x, y, alpha=a) is x +- a*y
-                ops[1] = (f"({ops[1][0]} * {_literal(alpha)})",) + tuple(ops[1][1:])
-            expr = row.expr.format(*[o[0] for o in ops])
-            boolean = row.boolean
-            if row.expr == "{0}" and isinstance(n.args[0], fx.Node):   # a copy or a cast: convert what changes
-                src_dt, dst_dt = _val(n.args[0]).dtype, _val(n).dtype
-                if dst_dt == torch.bool and src_dt != torch.bool:
-                    expr, boolean = f"({expr} != 0)", True
-                elif dst_dt.is_floating_point and not src_dt.is_floating_point:
-                    expr = f"{expr}.to({compute})"      # a 1-bit or integer value becomes a number
-                elif not dst_dt.is_floating_point and dst_dt != torch.bool and src_dt.is_floating_point:
-                    expr = f"{expr}.to(tl.int64)"       # truncates toward zero, as torch's cast does
-                elif dst_dt == torch.bool:
-                    boolean = True
-            emit(n, expr, _join(o[1] for o in ops), boolean)
-        elif target in optable.REDUCTIONS:
-            row = optable.REDUCTIONS[target]
-            src = operand(n.args[0])
-            rank = _val(n.args[0]).dim()
-            dims = sorted({d % rank for d in (n.args[1] if len(n.args) > 1 and n.args[1] is not None else range(rank))})
-            if src[1] != FULL:
-                raise Unfusable(f"{target} of a {src[1]} value")
-            if _val(n.args[0]).numel() != rows * cols:
-                raise Unfusable(f"{target} of a value broadcast into the [{rows}, {cols}] space")
-            keepdim = n.kwargs.get("keepdim", n.args[2] if len(n.args) > 2 else False)
-            masked = f"tl.where(mask, {src[0]}, {row.identity})"
-            if dims == [rank - 1]:
-                reduces_rows = True
-                emit(n, row.finish.format(f"{row.combine}({masked}, axis=1)[:, None]", n=cols),
-                     ROW if keepdim else ROWFLAT)
-            elif dims == list(range(rank - 1)) and row.combine == "tl.sum" and row.finish == "{0}":
-                emit(n, f"tl.sum({masked}, axis=0)", COLSUM, accumulate=True)
-            else:
-                raise Unfusable(f"{target} over dims {dims} of a rank-{rank} value: only the last dim, or every "
-                                "dim but the last (a bias gradient), reduce in a kernel")
-        elif target in optable.VIEWS:
-            src = operand(n.args[0])
-            var[n] = (src[0], _view_kind(src[1], tuple(_val(n).shape), rows, cols, target), src[2])
-        elif target in optable.RANDOM:
-            seed, shape, p, stream = n.args
-            if math.prod(shape) != rows * cols:
-                raise Unfusable(f"a dropout mask of shape {list(shape)} in the [{rows}, {cols}] space")
-            emit(n, optable.RANDOM[target](operand(seed)[0], stream, p).format(n=cols), FULL)
-        elif target in optable.CONSTANTS:
-            v = optable.CONSTANTS[target](n.args)
-            if isinstance(v, fx.Node):
-                var[n] = var[v]
-            else:
-                var[n] = (_literal(v), SCALAR, isinstance(v, bool))
-        else:
+        target = _functional(n.target)
+        method = next((m for belongs, m in _CATEGORIES if belongs(target)), None)
+        if method is None:
             raise Unfusable(f"{target} has no row in kernels/optable.py")
-        if isinstance(mutated, fx.Node) and n in var:
-            var[mutated] = var[n]
+        method(low, n, target)
+        if target is not n.target and isinstance(n.args[0], fx.Node):   # x.add_(y): later reads of x see it
+            low.values[n.args[0]] = low.values[n]
+    outs = _outputs(gm, low.values, placeholders, inputs, rows, cols)
+    # only the statements the stores need (a value read from the caller leaves its recomputation dead),
+    # and only the inputs those read: an input only handed back is not loaded
+    live = {o.value for o in outs if o.kind != ALIAS}
+    for st in reversed(low.body):
+        if st.var in live:
+            live |= set(st.reads)
+    body = [st for st in low.body if st.var in live]
+    if any(v.missing and v.expr in live for v in low.values.values()):
+        raise RuntimeError("internal: a kernel variant needs a value its caller did not keep for backward")
+    ins = [x for x in ins if x.var in live]
+    used = tuple(int(x.name[2:]) for x in ins)   # may be empty: every output handed back (a no-op)
+    reduces_rows = any(st.reduces_rows for st in body)
+    if reduces_rows and cols > MAX_ROW:
+        raise Unfusable(f"rows of {cols} elements are longer than the row template holds ({MAX_ROW})")
+    wide = any(inputs[i].numel() and _max_offset(inputs[i]) >= 2**31 for i in used) \
+        or rows * cols >= 2**31
+    return KernelPlan("row" if reduces_rows else "pointwise", rows, cols, tuple(ins), tuple(outs),
+                      tuple(body), wide, compute, used)
+
+
+def _outputs(gm, values: dict, placeholders: list, inputs: list, rows: int, cols: int) -> list:
+    """The kernel's stores: one per graph output, or an alias where the output is an input handed back
+    (a residual add's gradient) or an earlier output (two gradients of one value)."""
+    outs = []
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     for j, o in enumerate(out_node.args[0]):
         if not isinstance(o, fx.Node):
             raise Unfusable("an output that is not a tensor")
-        name, kind, _ = var[o]
-        if kind == SCALAR:
+        value = values[o]
+        if value.kind == SCALAR:
             raise Unfusable("an output that is a constant")
-        v = _val(o)
-        kind = _output_kind(kind, v.numel(), rows, cols)
-        src = next((i for i, p in enumerate(placeholders) if var.get(p, (None,))[0] == name), None)
+        v, name = _val(o), value.expr
+        kind = _output_kind(value.kind, v.numel(), rows, cols)
+        src = next((i for i, p in enumerate(placeholders) if p in values and values[p].expr == name), None)
         if src is not None and inputs[src].dtype == v.dtype and inputs[src].numel() == v.numel():
             # a gradient that passes through unchanged (a residual add's): hand the tensor back, as autograd does
             outs.append(KernelOutput(f"out{j}", v.dtype, ALIAS, tuple(v.shape), name, src))
@@ -298,25 +363,7 @@ def lower(gm: fx.GraphModule, inputs: list, anchor: tuple, input_kinds: list | N
             outs.append(KernelOutput(f"out{j}", v.dtype, ALIAS, tuple(v.shape), name, same_as=twin))
             continue
         outs.append(KernelOutput(f"out{j}", v.dtype, kind, tuple(v.shape), name))
-    # only the statements the stores need (a value read from the caller leaves its recomputation dead),
-    # and only the inputs those read: an input only handed back is not loaded
-    live = {o.value for o in outs if o.kind != ALIAS}
-    for st in reversed(body):
-        if st.var in live:
-            live |= set(re.findall(r"\b[tx]\d+\b", st.expr))
-    body = [st for st in body if st.var in live]
-    reduces_rows = any("axis=1" in st.expr for st in body)
-    text = " ".join([s.expr for s in body] + [o.value for o in outs if o.kind != ALIAS])
-    if "__missing__" in text:
-        raise RuntimeError("internal: a kernel variant needs a value its caller did not keep for backward")
-    ins = [x for x in ins if re.search(rf"\b{x.var}\b", text)]
-    used = tuple(int(x.name[2:]) for x in ins)   # may be empty: every output handed back (a no-op)
-    if reduces_rows and cols > MAX_ROW:
-        raise Unfusable(f"rows of {cols} elements are longer than the row template holds ({MAX_ROW})")
-    wide = any(inputs[i].numel() and _max_offset(inputs[i]) >= 2**31 for i in used) \
-        or rows * cols >= 2**31
-    return KernelPlan("row" if reduces_rows else "pointwise", rows, cols, tuple(ins), tuple(outs),
-                      tuple(body), wide, compute, used)
+    return outs
 
 
 def _view_kind(kind: str, shape: tuple, rows: int, cols: int, target) -> str:

@@ -93,9 +93,9 @@ def test_moe_pipeline_bench_smoke(tmp_path):
 
 
 def test_gpu_check_runs_on_cpu_ranks(tmp_path):
-    """``benchmarks.gpu_check`` (the GPU machines' one command) runs here with ``--backend gloo``: its
+    """``tests.gpu_check`` (the GPU machines' one command) runs here with ``--backend gloo``: its
     one-rank configurations pass and it writes its table (its NCCL run needs GPUs)."""
-    from benchmarks import gpu_check
+    from tests import gpu_check
     assert gpu_check.main(["--backend", "gloo", "--world", "1", "--out", str(tmp_path)]) == 0
     table = (tmp_path / "gpu_check.md").read_text()
     assert table.count("| pass |") == len(gpu_check.CONFIGS[1]) and "FAIL" not in table

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 from autoshard.ir import meta as M  # noqa: E402
 from autoshard.kernels.launch import compile_group, launch_shape  # noqa: E402
 from autoshard.kernels.lower import Unfusable  # noqa: E402
-from benchmarks import fusion_patterns as fp  # noqa: E402
+from tests.harness import fusion_patterns as fp  # noqa: E402
 
 B, S, H = 2, 5, 37          # odd sizes: nothing is a power of two
 

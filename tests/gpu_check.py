@@ -1,8 +1,8 @@
 """One command for the checks only a GPU machine can make: autoshard on CUDA and NCCL against the
 single-device model.
 
-    python -m benchmarks.gpu_check                            # on this machine's GPUs (1, 2, 4, 8 ranks)
-    python -m benchmarks.gpu_check --backend gloo --world 4   # the same checks on CPU ranks: a dry run
+    python -m tests.gpu_check                            # on this machine's GPUs (1, 2, 4, 8 ranks)
+    python -m tests.gpu_check --backend gloo --world 4   # the same checks on CPU ranks: a dry run
 
 The test suite runs on gloo with CPU ranks, also on a GPU machine (``tests/conftest.py``). This runs the
 suite's parity check (``tests/harness/pipeline_checks.py:pipeline_parity``: the loss and every gradient gathered
