@@ -21,7 +21,9 @@ from autoshard.ir.options import PipelineOptions
 from autoshard.runtime.data_parallel import data_parallel_rank, local_batch
 from autoshard.runtime.module import ParallelModule
 from autoshard.runtime.executor import PipelineError
+from autoshard.planner import Cluster, ModelShape, Plan, plan
 
 __all__ = ["init_mesh", "parallelize", "compile_rank", "compile_pipeline", "compile_options", "PipelineOptions",
            "PipelineError", "InputError", "local_batch", "data_parallel_rank", "save", "load", "launch", "RankError", "Program", "ParallelModule", "CompileOptions",
-           "MeshSpec", "CostModel", "DistSpec", "Shard", "Replicate", "Partial"]
+           "MeshSpec", "CostModel", "DistSpec", "Shard", "Replicate", "Partial", "plan", "Plan", "Cluster",
+           "ModelShape"]

@@ -312,8 +312,29 @@ def _p2p_groups(spec, rank: int) -> dict:
     return _pp_groups(spec, rank, sorted({(r, (r + 1) % pp) for r in range(pp)} | {((r + 1) % pp, r) for r in range(pp)}))
 
 
+def _planned(plan, spec, args, kwargs, keywords: dict) -> dict:
+    """``keywords`` with what ``plan`` (``autoshard.plan(...).best``) decides: microbatches, schedule,
+    virtual stages, recompute and ZeRO, checked against the mesh and the example batch first. A keyword
+    given as well must agree with the plan."""
+    if (spec.dp, spec.pp, spec.tp) != (plan.dp, plan.pp, plan.tp):
+        raise ValueError(f"the plan is for dp={plan.dp} pp={plan.pp} tp={plan.tp}, the mesh is dp={spec.dp} "
+                         f"pp={spec.pp} tp={spec.tp}: build the mesh with autoshard.init_mesh(plan=plan)")
+    rows = row_counts(torch.utils._pytree.tree_leaves((args, kwargs or {})))
+    if len(rows) == 1 and rows != {plan.b * plan.m}:
+        raise ValueError(f"the plan runs {plan.m} microbatches of {plan.b} sequences on each dp rank, so each rank's "
+                         f"batch has {plan.b * plan.m} rows, but the example batch has {rows.pop()}: pass "
+                         "autoshard.local_batch of a global batch of the plan's size")
+    out = dict(keywords)
+    for k, v in plan.parallelize_options().items():
+        if k in out and out[k] != v:
+            raise ValueError(f"parallelize({k}={out[k]!r}, plan=...) disagrees with the plan's {k}={v!r}: "
+                             "pass one of them")
+        out[k] = v
+    return out
+
+
 def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *, max_programs: int = 8,
-                options: CompileOptions | None = None, **keywords):
+                options: CompileOptions | None = None, plan=None, **keywords):
     """``model`` parallelized over ``mesh`` (its tp, pp and dp axes): an ``nn.Module`` holding this rank's shards.
 
     ``example_args``/``example_kwargs`` are traced first; other shapes, and the other of train/eval
@@ -353,6 +374,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     model that returns logits: pass ``{"target": y}`` in ``example_kwargs`` and ``pm.step(x, target=y)``.
     """
     spec = mesh_spec(mesh)
+    if plan is not None:
+        keywords = _planned(plan, spec, example_args, example_kwargs, keywords)
     options = _options(options, keywords, "parallelize") or compile_options()
     real_mesh = hasattr(mesh, "get_group")
     if spec.size > 1 and not real_mesh:

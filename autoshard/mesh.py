@@ -13,12 +13,18 @@ from autoshard.ir.mesh import AXES, MeshSpec
 from autoshard.ir.options import default_backend, pg_timeout_seconds, uses_nccl
 
 
-def init_mesh(tp: int = 1, dp: int = 1, pp: int = 1) -> DeviceMesh:
+def init_mesh(tp: int = 1, dp: int = 1, pp: int = 1, *, plan=None) -> DeviceMesh:
     """A torch ``DeviceMesh`` of shape (dp, pp, tp) over all ranks; tp varies fastest (one node).
+    ``plan``: a ``Plan`` of ``autoshard.plan`` gives the three sizes instead.
 
     Reads torchrun's ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``; uses NCCL on CUDA and gloo on CPU, with a
     bounded timeout (``AUTOSHARD_TIMEOUT``) so a mismatched program fails instead of hanging.
     """
+    if plan is not None:
+        if (tp, dp, pp) != (1, 1, 1) and (tp, dp, pp) != (plan.tp, plan.dp, plan.pp):
+            raise ValueError(f"init_mesh(tp={tp}, dp={dp}, pp={pp}, plan=...) disagrees with the plan's "
+                             f"tp={plan.tp}, dp={plan.dp}, pp={plan.pp}: pass the plan alone")
+        tp, dp, pp = plan.tp, plan.dp, plan.pp
     spec = MeshSpec(dp=dp, pp=pp, tp=tp)
     if not dist.is_initialized():
         if "RANK" not in os.environ:

@@ -93,12 +93,11 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self.train(model.training if not pipelined else True)
         training.check_same_weights(model, "parallelize", program.mesh.size)   # tp, dp, pp ranks and tied copies
         # --- the runners ----------------------------------------------------------------------------------
-        self.__dict__["_step_compiler"] = step_compiler
-        self.__dict__["_forward"] = None if pipelined else ForwardRunner(self, program, compiler)
-        self.__dict__["_first_runner"] = StepRunner(self, program) if pipelined else None
-        self.__dict__["_runners"] = ProgramCache(lambda: self.max_programs, "step program",
-                                                 on_drop=lambda r: r.close())
-        self.__dict__["runner"] = self._first_runner     # the runner of the last step (timelines read it)
+        self._step_compiler = step_compiler
+        self._forward = None if pipelined else ForwardRunner(self, program, compiler)
+        self._first_runner = StepRunner(self, program) if pipelined else None
+        self._runners = ProgramCache(lambda: self.max_programs, "step program", on_drop=lambda r: r.close())
+        self.runner = self._first_runner     # the runner of the last step (timelines read it)
         training.register_state_dict_names(self)
 
     # --- what the runners read ------------------------------------------------------------------------
@@ -223,7 +222,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             raise RuntimeError("pm.step runs forward and backward and cannot run under torch.no_grad(); for a "
                                "validation loss call pm.eval_batch(*batch) (eval mode, no gradients)")
         args, kwargs = to_device((args, kwargs), self.device)
-        runner = self.__dict__["runner"] = self._runner_for(args, kwargs, self.training)
+        runner = self.runner = self._runner_for(args, kwargs, self.training)
         return runner.step(args, kwargs)
 
     def eval_batch(self, *args, **kwargs) -> torch.Tensor:

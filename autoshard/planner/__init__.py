@@ -1,0 +1,18 @@
+"""The planner: the whole (dp, pp, tp, b, m, v, recompute, zero) configuration for a cluster, predicted.
+
+    plans = autoshard.plan(model_or_config, gpus=3072, cluster="dgx-a100", global_batch=1536)
+    best = plans.best                         # a Plan: the mesh, microbatches, schedule, recompute, ZeRO
+    mesh = autoshard.init_mesh(plan=best)
+    pm = autoshard.parallelize(model, mesh, batch, plan=best)
+
+``cluster.py`` holds the hardware as data (presets and ``Cluster.measure()``), ``shape.py`` the model's
+sizes, ``cost.py`` the step time and memory of one configuration, ``search.py`` the search and its
+reasons, ``report.py`` the table, ``plan.md`` and the plot, and ``cli.py`` ``python -m autoshard plan``.
+"""
+from autoshard.planner.cluster import DGX_A100, DGX_H100, PRESETS, Cluster, Link, cluster_named
+from autoshard.planner.cost import Breakdown, Candidate, Memory, Prediction, predict
+from autoshard.planner.search import Plan, Plans, candidates, plan
+from autoshard.planner.shape import ModelShape, model_shape
+
+__all__ = ["plan", "Plan", "Plans", "Cluster", "Link", "DGX_A100", "DGX_H100", "PRESETS", "cluster_named",
+           "ModelShape", "model_shape", "Candidate", "Prediction", "Breakdown", "Memory", "predict", "candidates"]

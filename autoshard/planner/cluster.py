@@ -1,0 +1,238 @@
+"""Clusters as data: what a GPU computes, holds and sends, and over which link.
+
+A ``Cluster`` is the planner's whole view of the hardware. Every number is per GPU:
+
+- ``peak_flops``: dense bf16 tensor-core flop/s; ``gemm_efficiency(m, n, k)`` the fraction a GEMM of that
+  shape reaches (large GEMMs run near ``gemm_max_efficiency``; a dimension near ``gemm_half_dim`` halves
+  it, the way small tiles leave SMs idle);
+- ``hbm_bytes`` and ``hbm_bandwidth``: memory and the rate memory-bound ops (norms, pointwise, the
+  optimizer) run at;
+- ``intra`` and ``inter``: the link a collective uses when its group stays inside a node (NVLink
+  through NVSwitch) or crosses nodes (InfiniBand, one NIC per GPU on DGX machines), each as a per-GPU,
+  per-direction bandwidth and a latency per ring step.
+
+``Cluster.measure()`` fills the numbers in on the machine at hand, with GEMM, copy and collective
+micro-benchmarks over the current process group (gloo or NCCL).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Link:
+    """One GPU's share of a link, per direction."""
+    bandwidth: float          # bytes/s
+    latency: float            # s per ring step (a message's fixed cost)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    gpus_per_node: int
+    peak_flops: float               # dense bf16 flop/s of one GPU
+    hbm_bytes: float                # memory of one GPU
+    hbm_bandwidth: float            # bytes/s of one GPU's memory
+    intra: Link                     # inside a node
+    inter: Link                     # between nodes
+    gemm_max_efficiency: float = 0.8
+    gemm_half_dim: float = 64.0
+    usable_memory: float = 0.9      # of hbm_bytes: the rest is the allocator's, NCCL's and cuBLAS's workspace
+    # seconds each op costs beyond its work: Python, dispatch and autograd on a CPU host. A GPU runs its
+    # queue while the host launches ahead, so the presets leave it at 0
+    op_overhead: float = 0.0
+    source: str = ""
+
+    def gemm_efficiency(self, m: float, n: float, k: float) -> float:
+        """The fraction of ``peak_flops`` a GEMM of (m x k) @ (k x n) reaches: ``gemm_max_efficiency``
+        for large dims, less as any dim nears ``gemm_half_dim`` (each dim a factor x / (x + half))."""
+        e = self.gemm_max_efficiency
+        for x in (m, n, k):
+            e *= x / (x + self.gemm_half_dim)
+        return e
+
+    def gemm_seconds(self, m: float, n: float, k: float, count: float = 1.0) -> float:
+        """Seconds of ``count`` GEMMs of (m x k) @ (k x n)."""
+        if m <= 0 or n <= 0 or k <= 0:
+            return 0.0
+        return count * 2.0 * m * n * k / (self.peak_flops * self.gemm_efficiency(m, n, k))
+
+    def link(self, group_size: int, stride: int) -> Link:
+        """The link a group of ``group_size`` ranks, ``stride`` ranks apart, runs its collectives on: inside
+        a node when every member shares one, else between nodes."""
+        return self.intra if group_size * stride <= self.gpus_per_node else self.inter
+
+    def with_(self, **changes) -> "Cluster":
+        """A copy with some numbers changed (a faster network, a smaller node): what-if planning."""
+        return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def measure(name: str = "measured", sizes=(64, 128, 256, 512, 1024), dtype: torch.dtype | None = None,
+                collective_bytes=(2**12, 2**16, 2**20, 2**22), repeats: int = 3) -> "Cluster":
+        """This machine's numbers: GEMM throughput over ``sizes`` (fitting the efficiency curve), a large
+        copy (memory bandwidth), and, in a process group of several ranks, all-reduces over
+        ``collective_bytes`` (fitting latency and bandwidth with the ring formula). Every rank of the
+        group must call it. One host: the intra-node and inter-node links are the same link."""
+        cuda = torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl")
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+        shapes = [(n, n, n) for n in sizes] + [(sizes[-1], sizes[-1], k) for k in sizes[:2]]
+        rates = [(shape, _gemm_rate(shape, dtype, device, repeats)) for shape in shapes]
+        peak, half, top = _fit_gemm(rates)
+        hbm_bw = _copy_rate(device, repeats)
+        overhead = 0.0 if cuda else _op_overhead(repeats)
+        if cuda:
+            hbm = torch.cuda.get_device_properties(device).total_memory
+        else:
+            hbm = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world > 1:
+            link = _fit_link([(n, _all_reduce_seconds(n, device, repeats)) for n in collective_bytes], world)
+        else:
+            link = Link(bandwidth=hbm_bw, latency=1e-6)
+        if not cuda:
+            hbm = hbm / world            # the ranks of one host share its memory
+        return Cluster(name, gpus_per_node=world, peak_flops=peak, hbm_bytes=float(hbm), hbm_bandwidth=hbm_bw,
+                       intra=link, inter=link, gemm_max_efficiency=top, gemm_half_dim=half, op_overhead=overhead,
+                       source=f"measured on {device.type} ({dtype}), {world} rank(s), {time.strftime('%Y-%m-%d')}")
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device, repeats: int, at_least: float = 0.02) -> float:
+    """Seconds of one ``fn()``: the best of ``repeats`` loops, each long enough (``at_least`` seconds) to
+    be timed, started together on every rank of the process group so that ranks sharing a host's
+    cores or memory measure under the contention a step runs under."""
+    fn()
+    _sync(device)
+    start, n = time.perf_counter(), 0
+    while time.perf_counter() - start < at_least / 4:
+        fn()
+        n += 1
+    _sync(device)
+    calls = max(1, int(n * at_least / max(time.perf_counter() - start, 1e-9) / 4))
+    best = math.inf
+    for _ in range(repeats):
+        if dist.is_initialized():
+            dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def _gemm_rate(shape, dtype, device, repeats) -> float:
+    m, n, k = shape
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
+    return 2.0 * m * n * k / max(_timed(lambda: a @ b, device, repeats), 1e-12)
+
+
+def _fit_gemm(rates) -> tuple:
+    """(peak, half_dim, max_efficiency): peak is the best rate seen; the half dim is the one whose curve
+    fits the rates best (least squared relative error), and the efficiency scale follows from it."""
+    peak = max(r for _, r in rates)
+    best = None
+    for half in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+        curve = [math.prod(x / (x + half) for x in shape) for shape, _ in rates]
+        top = max(r / peak / c for (_, r), c in zip(rates, curve))
+        err = sum((top * c - r / peak) ** 2 / (r / peak) ** 2 for (_, r), c in zip(rates, curve))
+        if best is None or err < best[0]:
+            best = (err, half, min(1.0, top))
+    return peak / best[2] if best[2] < 1 else peak, float(best[1]), best[2]
+
+
+def _copy_rate(device, repeats, numel: int = 2**24) -> float:
+    x = torch.ones(numel, dtype=torch.float32, device=device)      # touched: no zero pages
+    y = torch.zeros_like(x)
+    return 2.0 * x.numel() * x.element_size() / max(_timed(lambda: y.copy_(x), device, repeats), 1e-12)
+
+
+def _op_overhead(repeats, ops: int = 200) -> float:
+    """Seconds per op of a chain of tiny ops with autograd, forward and backward: the host's floor."""
+    x = torch.ones(8, requires_grad=True)
+
+    def chain():
+        y = x
+        for _ in range(ops):
+            y = y * 1.0001
+        y.sum().backward()
+    return _timed(chain, torch.device("cpu"), repeats) / (3 * ops)     # a backward op costs about two forward ones
+
+
+def _all_reduce_seconds(nbytes: int, device, repeats) -> float:
+    x = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    dist.all_reduce(x)
+    best = math.inf
+    for _ in range(repeats):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    slowest = torch.tensor([best], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)     # every rank fits the same link
+    return float(slowest)
+
+
+def _fit_link(samples, world: int) -> Link:
+    """Latency and bandwidth from all-reduce times, by least squares on the ring model
+    ``t = 2(n-1) * latency + 2(n-1)/n * bytes / bandwidth``."""
+    steps, share = 2 * (world - 1), 2 * (world - 1) / world
+    xs = [share * nbytes for nbytes, _ in samples]
+    ys = [seconds for _, seconds in samples]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-30)
+    slope = max(slope, 1e-15)
+    intercept = max(my - slope * mx, 0.0)
+    return Link(bandwidth=1.0 / slope, latency=intercept / steps)
+
+
+# --- presets -------------------------------------------------------------------------------------------
+DGX_A100 = Cluster(
+    "dgx-a100", gpus_per_node=8, peak_flops=312e12, hbm_bytes=80e9, hbm_bandwidth=2.039e12,
+    # NVLink 3 through NVSwitch: 600 GB/s per GPU, both directions together; 8 x 200 Gb/s HDR
+    # InfiniBand per node, one NIC per GPU: 25 GB/s per GPU per direction
+    intra=Link(230e9, 5e-6), inter=Link(23e9, 10e-6),
+    gemm_max_efficiency=0.75, gemm_half_dim=64.0,
+    source="NVIDIA A100 datasheet (312 TFLOP/s dense BF16, 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s); "
+           "DGX A100 user guide (8 x ConnectX-6 HDR 200 Gb/s); large bf16 GEMMs reach about 80% of peak "
+           "(cuBLAS, as Megatron-LM's SC'21 paper measures for its GEMMs)")
+
+DGX_H100 = Cluster(
+    "dgx-h100", gpus_per_node=8, peak_flops=989e12, hbm_bytes=80e9, hbm_bandwidth=3.35e12,
+    # NVLink 4 through NVSwitch: 900 GB/s per GPU, both directions together; 8 x 400 Gb/s NDR
+    # InfiniBand per node, one NIC per GPU: 50 GB/s per GPU per direction
+    intra=Link(450e9, 5e-6), inter=Link(50e9, 10e-6),
+    gemm_max_efficiency=0.75, gemm_half_dim=96.0,
+    source="NVIDIA H100 SXM datasheet (989 TFLOP/s dense BF16, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s); "
+           "DGX H100 user guide (8 x ConnectX-7 NDR 400 Gb/s); large bf16 GEMMs reach about 75% of peak "
+           "on H100 (cuBLAS; the Llama 3 paper reports 38-43% MFU for whole steps)")
+
+PRESETS = {c.name: c for c in (DGX_A100, DGX_H100)}
+
+
+def cluster_named(name) -> Cluster:
+    """A preset by name (``dgx-a100``, ``dgx-h100``), or the ``Cluster`` given."""
+    if isinstance(name, Cluster):
+        return name
+    try:
+        return PRESETS[str(name).lower()]
+    except KeyError:
+        raise ValueError(f"unknown cluster {name!r}: presets are {sorted(PRESETS)}, or pass a Cluster "
+                         "(autoshard.planner.Cluster(...) or Cluster.measure())") from None

@@ -1,0 +1,251 @@
+"""The step time and memory of one configuration, from the model's sizes and the cluster's numbers.
+
+A configuration is Megatron-LM's (SC'21) tuple: tensor size t, pipeline size p, data-parallel size d,
+microbatch size b, microbatches per step m, virtual stages v, recompute and ZeRO. Ranks are laid out
+with t varying fastest, then d, then p (Megatron's and ``init_mesh``'s order), so a tp group of at most
+a node's GPUs stays on NVLink, and dp and pp groups cross nodes once t x d outgrows a node. No rule of
+the paper is written here: its takeaways come out of these costs (``tests/unit/test_planner.py``).
+
+Per microbatch of b sequences on one pipeline chunk (L / (p v) layers):
+
+- compute: each GEMM at the cluster's efficiency for its shape (sharded t ways), backward twice the
+  forward; memory-bound ops (norms, pointwise, softmax) at HBM bandwidth;
+- tensor parallelism: two all-reduces of the residual stream (b s h) per layer forward, two backward,
+  two more when the forward is recomputed, on the tp group's link; not overlapped (Megatron's are not);
+- the pipeline: ``(m + (p - 1) / v)`` chunk-rounds of the slowest rank, so the bubble is
+  ``(p - 1) / (v m)`` of the ideal; each boundary a send forward and one backward, exposed;
+- data parallelism: the gradients' ring all-reduce (fp32 main grads) on the dp group's link, less the
+  part hidden behind the last microbatch's backward (as ``runtime/data_parallel.py`` overlaps it);
+  ZeRO-1 adds the parameters' all-gather after the optimizer step and divides the optimizer's work.
+
+Memory per rank: bf16 weights, fp32 gradients and fp32 master weights with Adam's two moments (18 bytes
+a parameter, the 12 of the optimizer divided by d under ZeRO-1), plus the activations in flight: the
+first rank of 1F1B holds p microbatches of its layers, of the interleaved schedule more (its warm-up).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from autoshard.planner.cluster import Cluster
+from autoshard.planner.shape import ModelShape
+
+BF16, FP32 = 2, 4
+OPS_PER_LAYER = 30        # ops a transformer layer's forward launches (norms, projections, attention, MLP, adds)
+OPS_HEAD = 12             # the LM head and the loss's
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration to price (Megatron-LM's names)."""
+    dp: int
+    pp: int
+    tp: int
+    b: int                    # microbatch size (sequences)
+    m: int                    # microbatches per step on each dp replica
+    v: int = 1                # virtual stages (chunks) per pipeline rank: 1 is plain 1F1B
+    recompute: str = "none"   # "none" or "full" (each layer's input kept; the layer runs again in backward)
+    zero: int = 0             # 1: the optimizer state sharded over dp (ZeRO-1)
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def schedule(self) -> str:
+        return "1f1b" if self.pp == 1 or self.v == 1 else "interleaved"
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.b * self.m
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Seconds of one step on the slowest rank, by cause (they add up to ``total``)."""
+    compute: float            # forward and backward of every microbatch, without recompute
+    recompute: float          # the forwards run again in backward
+    tp_comm: float            # exposed tensor-parallel collectives
+    bubble: float             # the pipeline's idle time: (p - 1) / v chunk-rounds
+    p2p: float                # pipeline boundary sends, exposed
+    dp_comm: float            # data-parallel gradient collectives not hidden behind backward
+    optimizer: float          # the optimizer step (memory-bound)
+
+    @property
+    def total(self) -> float:
+        return (self.compute + self.recompute + self.tp_comm + self.bubble + self.p2p + self.dp_comm
+                + self.optimizer)
+
+    def items(self) -> list:
+        return [("compute", self.compute), ("recompute", self.recompute), ("tp communication", self.tp_comm),
+                ("pipeline bubble", self.bubble), ("pipeline sends", self.p2p),
+                ("dp communication", self.dp_comm), ("optimizer", self.optimizer)]
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes one rank holds at its peak (the most loaded rank: the first stage, or the last with the head)."""
+    parameters: float         # bf16 weights
+    gradients: float          # fp32 main gradients
+    optimizer: float          # fp32 master weights and Adam's two moments (divided by dp under ZeRO-1)
+    activations: float        # saved for backward, over the microbatches in flight
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class Prediction:
+    candidate: Candidate
+    step_seconds: float
+    breakdown: Breakdown
+    memory: Memory
+    model_flops: float                  # of one step, without recompute
+    notes: tuple = field(default_factory=tuple)
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Model TFLOP/s per GPU (recompute not counted: the MFU numerator)."""
+        return self.model_flops / self.step_seconds / self.candidate.gpus / 1e12
+
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        """TFLOP/s per GPU counting the recomputed forwards too (Megatron-LM's paper reports this one)."""
+        extra = self.model_flops / 3 * (1 if self.candidate.recompute == "full" else 0)
+        return (self.model_flops + extra) / self.step_seconds / self.candidate.gpus / 1e12
+
+
+def ring_all_reduce_seconds(nbytes: float, n: int, link) -> float:
+    """A ring all-reduce of ``nbytes`` over ``n`` ranks: ``2(n-1)/n * bytes / bandwidth``, plus a latency
+    per ring step (2(n-1) of them)."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+
+
+def bubble_fraction(p: int, m: int, v: int = 1) -> float:
+    """The pipeline bubble over the ideal time: ``(p - 1) / (v m)`` (Narayanan et al., SC'21)."""
+    return (p - 1) / (v * m)
+
+
+def in_flight(p: int, m: int, v: int, rank: int = 0) -> int:
+    """Chunk-microbatches whose activations pipeline rank ``rank`` holds at once: p - rank for 1F1B (at
+    most m), and the interleaved schedule's warm-up ``2 (p - rank - 1) + (v - 1) p + 1`` (Megatron's)."""
+    if p == 1:
+        return 1
+    if v == 1:
+        return min(m, p - rank)
+    return min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1)
+
+
+def activation_bytes_per_layer(shape: ModelShape, b: int, t: int, recompute: str, flash: bool = True) -> float:
+    """Bytes one layer saves for backward for one microbatch (Korthikanti et al. 2022, 16-bit
+    activations): ``s b h (10 + 24/t + 5 a s / (h t))``, without the attention matrix's term when the
+    attention is flash (it keeps no s x s matrix), and only the layer's input (2 s b h) under full
+    recompute."""
+    s, h, a = shape.seq, shape.hidden, shape.heads
+    if recompute == "full":
+        return 2.0 * s * b * h
+    ffn_scale = shape.ffn * (3 if shape.gated else 2) / (8 * h)     # 1 for GPT's 4h two-matrix MLP
+    per_token = 10 + 24 / t * (0.5 + 0.5 * ffn_scale)
+    if not flash:
+        per_token += 5 * a * s / (h * t)
+    return s * b * h * per_token
+
+
+def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = True) -> Prediction:
+    """The step time and memory of ``c`` training ``shape`` on ``cluster``."""
+    t, p, d, b, m, v = c.tp, c.pp, c.dp, c.b, c.m, c.v
+    s, h = shape.seq, shape.hidden
+    tokens = b * s
+    layers_per_rank = math.ceil(shape.layers / p)
+    f_layer, f_recompute, tp_layer = _layer_seconds(shape, cluster, c, tokens, flash)
+    head_f = (cluster.gemm_seconds(tokens, shape.vocab / t, h) + _pointwise(cluster, 3 * tokens * shape.vocab / t * FP32)
+              + OPS_HEAD * cluster.op_overhead)
+    last_extra = 3 * head_f                      # the LM head and the loss, forward and backward, last rank
+    per_micro = layers_per_rank * (3 * f_layer) + (last_extra if p == 1 else 0)
+    per_micro_last = layers_per_rank * (3 * f_layer) + last_extra
+    slowest = max(per_micro, per_micro_last) if p > 1 else per_micro
+    recompute = layers_per_rank * f_recompute
+    tp = layers_per_rank * tp_layer
+    round_time = slowest + recompute + tp        # one microbatch through this rank, all its chunks
+    compute = m * slowest
+    bubble = (p - 1) / v * round_time
+    p2p = 0.0
+    if p > 1:
+        link = cluster.link(p, t * d)
+        send = BF16 * tokens * h / link.bandwidth + link.latency
+        p2p = 2 * send * (m * v + p - 1)
+    dp_comm, optimizer = _data_parallel(shape, cluster, c, round_time / v)
+    breakdown = Breakdown(compute, m * recompute, m * tp, bubble, p2p, dp_comm, optimizer)
+    return Prediction(c, breakdown.total, breakdown, _memory(shape, cluster, c, flash),
+                      shape.model_flops(c.global_batch * s))
+
+
+def _pointwise(cluster: Cluster, nbytes: float) -> float:
+    return nbytes / cluster.hbm_bandwidth
+
+
+def _layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: float, flash: bool) -> tuple:
+    """(forward seconds of one layer for one microbatch, its recompute seconds, its tp collectives'
+    seconds over forward, backward and recompute)."""
+    t, h, s = c.tp, shape.hidden, shape.seq
+    ffn_out = shape.ffn * (2 if shape.gated else 1)
+    gemms = (cluster.gemm_seconds(tokens, (h + 2 * shape.kv_width) / t, h)       # q, k, v
+             + cluster.gemm_seconds(tokens, h, h / t)                            # attention output
+             + cluster.gemm_seconds(tokens, ffn_out / t, h)                      # MLP up (and gate)
+             + cluster.gemm_seconds(tokens, h, shape.ffn / t))                   # MLP down
+    heads = c.b * shape.heads / t
+    gemms += cluster.gemm_seconds(s, s, shape.head_dim, count=2 * heads)         # Q K^T and P V
+    # memory-bound ops: two norms, two dropout + residual adds on the whole stream; the activation on
+    # the MLP's width and the attention's softmax (an s x s matrix per head unless flash keeps none)
+    stream = BF16 * tokens * h * 14
+    sharded = BF16 * tokens * (4 * ffn_out + 6 * h) / t
+    softmax = 0 if flash else BF16 * 4 * c.b * shape.heads * s * s / t
+    forward = gemms + _pointwise(cluster, stream + sharded + softmax) + OPS_PER_LAYER * cluster.op_overhead
+    link = cluster.link(t, 1)
+    one = ring_all_reduce_seconds(BF16 * tokens * h, t, link)
+    collectives = 4 * one + (2 * one if c.recompute == "full" else 0)
+    return forward, (forward if c.recompute == "full" else 0.0), collectives
+
+
+def _rank_params(shape: ModelShape, c: Candidate) -> float:
+    """Parameters the most loaded rank holds: its layers' shards and, on the first or last stage, the
+    embedding's (and the head's) vocabulary shard."""
+    layers = math.ceil(shape.layers / c.pp) * shape.layer_params() / c.tp
+    vocab = shape.vocab * shape.hidden / c.tp
+    ends = vocab + shape.positions * shape.hidden if c.pp == 1 or shape.tied else vocab
+    if c.pp == 1 and not shape.tied:
+        ends += vocab
+    return layers + ends
+
+
+def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, last_backward_window: float) -> tuple:
+    """(exposed dp seconds, optimizer seconds)."""
+    params = _rank_params(shape, c)
+    opt_bytes = params * (FP32 * 6 + BF16)        # read/write master, m, v; read grad; write bf16 weights
+    if c.dp == 1:
+        return 0.0, _pointwise(cluster, opt_bytes)
+    link = cluster.link(c.dp, c.tp)
+    reduce = ring_all_reduce_seconds(FP32 * params, c.dp, link)
+    exposed = max(0.0, reduce - 2.0 / 3.0 * last_backward_window)
+    if c.zero:
+        gather = ring_all_reduce_seconds(BF16 * params, c.dp, link) / 2     # an all-gather: half a ring all-reduce
+        return exposed + gather, _pointwise(cluster, opt_bytes / c.dp)
+    return exposed, _pointwise(cluster, opt_bytes)
+
+
+def _memory(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool) -> Memory:
+    params = _rank_params(shape, c)
+    optimizer = params * 3 * FP32 / (c.dp if c.zero else 1)
+    per_layer = activation_bytes_per_layer(shape, c.b, c.tp, c.recompute, flash)
+    chunk_layers = shape.layers / (c.pp * c.v)
+    held = in_flight(c.pp, c.m, c.v) * chunk_layers * per_layer
+    if c.recompute == "full":     # one layer's whole activations while it is recomputed
+        held += activation_bytes_per_layer(shape, c.b, c.tp, "none", flash)
+    tokens = c.b * shape.seq
+    logits = 2 * FP32 * tokens * shape.vocab / c.tp     # the last stage's fp32 logits and their gradient
+    first = held + (logits if c.pp == 1 else 0)
+    last = in_flight(c.pp, c.m, c.v, c.pp - 1) * chunk_layers * per_layer + logits
+    return Memory(params * BF16, params * FP32, optimizer, max(first, last))

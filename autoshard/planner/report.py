@@ -1,0 +1,103 @@
+"""The planner's answer for a person: the ranked table, ``plan.md`` for the winner, and a plot.
+
+The plot (SVG, no plotting library needed) puts every configuration that fits on one axis of predicted
+model TFLOP/s per GPU, grouped by (tp, pp), with the winner marked: where the good region is and how
+far the runner-ups are is easier to see than to read.
+"""
+from __future__ import annotations
+
+import html
+
+from autoshard.planner.search import GiB, Plan, Plans
+
+
+def table(plans: Plans) -> str:
+    """The ranked plans as a markdown table (the winner first), then the faster ones that do not fit."""
+    rows = ["| # | dp | pp | tp | b | m | v | recompute | ZeRO | step s | TFLOP/s/GPU | GiB/GPU | why |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for i, p in enumerate(plans.ranked, 1):
+        rows.append(_row(str(i), p))
+    if plans.too_big:
+        rows += ["", "Faster, but out of memory:", "",
+                 "| | dp | pp | tp | b | m | v | recompute | ZeRO | step s | TFLOP/s/GPU | GiB/GPU | why |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        rows += [_row("-", p) for p in plans.too_big]
+    return "\n".join(rows)
+
+
+def _row(rank: str, p: Plan) -> str:
+    return (f"| {rank} | {p.dp} | {p.pp} | {p.tp} | {p.b} | {p.m} | {p.v} | {p.recompute} | {p.zero} | "
+            f"{p.step_seconds:.3f} | {p.tflops_per_gpu:.1f} | {p.memory_bytes / GiB:.1f} | {p.why} |")
+
+
+def plan_md(plans: Plans) -> str:
+    """``plan.md`` for the winner: the configuration, its step breakdown and memory, the alternatives."""
+    best = plans.best
+    q = best.prediction
+    shape, cluster = plans.shape, plans.cluster
+    lines = [f"# Plan: {shape.name} on {plans.gpus} GPUs of {cluster.name}", "",
+             f"Model: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads ({shape.kv_heads} kv), "
+             f"MLP {shape.ffn}{' (gated)' if shape.gated else ''}, vocabulary {shape.vocab}, sequence {shape.seq}; "
+             f"{shape.params() / 1e9:.2f} B parameters. Global batch {plans.global_batch} sequences.", "",
+             f"Cluster: {cluster.gpus_per_node} GPUs a node, {cluster.peak_flops / 1e12:.0f} TFLOP/s peak, "
+             f"{cluster.hbm_bytes / 1e9:.0f} GB at {cluster.hbm_bandwidth / 1e12:.2f} TB/s; inside a node "
+             f"{cluster.intra.bandwidth / 1e9:.0f} GB/s, between nodes {cluster.inter.bandwidth / 1e9:.0f} GB/s "
+             f"per GPU. Source: {cluster.source or '-'}", "",
+             "## The winner", "",
+             f"`{best.label()}` ({best.schedule} schedule): `init_mesh(plan=p)` and `parallelize(..., plan=p)` "
+             f"set `{best.mesh}` and `{best.parallelize_options()}`.", "",
+             f"Predicted step {best.step_seconds:.3f} s, {best.tflops_per_gpu:.1f} model TFLOP/s per GPU "
+             f"({best.tflops_per_gpu * 1e12 / cluster.peak_flops:.0%} of peak).", "",
+             "| part of the step | seconds | share |", "|---|---|---|"]
+    lines += [f"| {name} | {s:.4f} | {s / q.step_seconds:.1%} |" for name, s in q.breakdown.items()]
+    mem = q.memory
+    lines += ["", "| memory per GPU | GiB |", "|---|---|",
+              f"| parameters (bf16) | {mem.parameters / GiB:.2f} |", f"| gradients (fp32) | {mem.gradients / GiB:.2f} |",
+              f"| optimizer (fp32 master, Adam moments{', ZeRO-1' if best.zero else ''}) | {mem.optimizer / GiB:.2f} |",
+              f"| activations in flight | {mem.activations / GiB:.2f} |",
+              f"| total (usable {cluster.hbm_bytes * cluster.usable_memory / GiB:.1f}) | {mem.total / GiB:.2f} |",
+              "", "## The alternatives", "", table(plans), "",
+              f"{plans.considered} configurations priced in {plans.seconds:.2f} s.", ""]
+    return "\n".join(lines)
+
+
+def plot_svg(plans: Plans, width: int = 900, height: int = 420) -> str:
+    """Predicted model TFLOP/s per GPU of every configuration priced, one column per (tp, pp), the winner
+    in red, out-of-memory ones hollow."""
+    fastest = {}          # one point per (tp, pp, v, recompute, fits): its fastest b and ZeRO setting
+    for p in plans.priced:
+        key = (p.tp, p.pp, p.v, p.recompute, p.fits)
+        if key not in fastest or p.step_seconds < fastest[key].step_seconds:
+            fastest[key] = p
+    points = list(fastest.values()) + list(plans.ranked[:1])
+    groups = sorted({(p.tp, p.pp) for p in points})
+    top = max((p.tflops_per_gpu for p in points), default=1.0) * 1.1 or 1.0
+    left, bottom, right, up = 60, 60, 20, 30
+    w, h = width - left - right, height - bottom - up
+    col = w / max(len(groups), 1)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11">',
+           f'<text x="{left}" y="18" font-size="13">{html.escape(plans.shape.name)} on {plans.gpus} GPUs of '
+           f'{html.escape(plans.cluster.name)}: predicted model TFLOP/s per GPU by (tp, pp)</text>',
+           f'<line x1="{left}" y1="{up + h}" x2="{left + w}" y2="{up + h}" stroke="black"/>',
+           f'<line x1="{left}" y1="{up}" x2="{left}" y2="{up + h}" stroke="black"/>']
+    for k in range(5):
+        v = top * k / 4
+        y = up + h - h * k / 4
+        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{v:.0f}</text>')
+        out.append(f'<line x1="{left}" y1="{y:.1f}" x2="{left + w}" y2="{y:.1f}" stroke="#ddd"/>')
+    for i, (t, pp) in enumerate(groups):
+        x = left + col * (i + 0.5)
+        out.append(f'<text x="{x:.1f}" y="{up + h + 16}" text-anchor="middle">{t},{pp}</text>')
+    out.append(f'<text x="{left + w / 2}" y="{height - 14}" text-anchor="middle">(tp, pp)</text>')
+    best = plans.ranked[0] if plans.ranked else None
+    for p in points:
+        x = left + col * (groups.index((p.tp, p.pp)) + 0.5)
+        y = up + h - h * p.tflops_per_gpu / top
+        if best is not None and p.prediction is best.prediction:
+            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="6" fill="#d62728"><title>{html.escape(p.label())}</title></circle>')
+        elif p.fits:
+            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="#1f77b4" fill-opacity="0.6"/>')
+        else:
+            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="none" stroke="#888"/>')
+    out.append("</svg>")
+    return "\n".join(out)

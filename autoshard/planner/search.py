@@ -1,0 +1,221 @@
+"""``plan``: every configuration of N GPUs for a model and a global batch, priced and ranked.
+
+The search is exhaustive over what is legal: t divides the heads (and the kv heads, or is a multiple of
+them), p at most the layers, d = N / (t p) dividing the global batch, b a power of two, m = B / (d b),
+v chunks per rank when each still holds a layer (and m a multiple of p, as Megatron's interleaved
+schedule needs), recompute none or full, ZeRO-1 or not. Each is priced by ``cost.predict`` in
+microseconds, so thousands of GPUs plan in seconds. A configuration that does not fit in memory is
+kept aside with the bytes it misses; the ranking says why each runner-up lost to the winner (the cost it
+pays most over it), and why each faster configuration was not chosen (memory).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from autoshard.planner.cluster import Cluster, cluster_named
+from autoshard.planner.cost import Candidate, Prediction, predict
+from autoshard.planner.shape import ModelShape, model_shape
+
+GiB = 2**30
+
+
+def size(nbytes: float) -> str:
+    """Bytes for a person: GiB, MiB or KiB, whichever reads best."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A configuration with its prediction: what ``parallelize(..., plan=p)`` and ``init_mesh(plan=p)``
+    train with. ``why`` says why it ranks where it does (for the winner: what bounds it)."""
+    dp: int
+    pp: int
+    tp: int
+    b: int
+    m: int
+    v: int
+    schedule: str
+    recompute: str
+    zero: int
+    prediction: Prediction
+    fits: bool
+    why: str = ""
+
+    @property
+    def step_seconds(self) -> float:
+        return self.prediction.step_seconds
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.prediction.tflops_per_gpu
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.prediction.memory.total
+
+    @property
+    def mesh(self) -> dict:
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+
+    def parallelize_options(self) -> dict:
+        """The keywords of ``parallelize`` this plan sets."""
+        out = {"recompute": True} if self.recompute == "full" else {}
+        if self.pp > 1 or self.m > 1:
+            out.update(microbatches=self.m, schedule=self.schedule)
+            if self.v > 1:
+                out["virtual_stages"] = self.v
+        if self.zero:
+            out["zero"] = self.zero
+        return out
+
+    def label(self) -> str:
+        return (f"dp={self.dp} pp={self.pp} tp={self.tp} b={self.b} m={self.m} v={self.v} "
+                f"recompute={self.recompute} zero={self.zero}")
+
+
+@dataclass
+class Plans:
+    """The ranked plans that fit (``ranked[0]`` is the winner) and the faster ones that do not."""
+    shape: ModelShape
+    cluster: Cluster
+    gpus: int
+    global_batch: int
+    ranked: list
+    too_big: list              # faster than the winner, out of memory (the fastest first)
+    considered: int
+    seconds: float
+    priced: list = field(default_factory=list)   # every configuration, as a Plan (its ``why`` empty)
+
+    @property
+    def best(self) -> Plan:
+        if not self.ranked:
+            need = min((p.memory_bytes for p in self.too_big), default=0)
+            raise ValueError(f"no configuration of {self.gpus} GPUs fits {self.shape.name} in "
+                             f"{size(self.cluster.hbm_bytes * self.cluster.usable_memory)} per GPU: the smallest "
+                             f"needs {size(need)}; use more GPUs, a smaller global batch or sequence, or a "
+                             "cluster with more memory")
+        return self.ranked[0]
+
+    def __iter__(self):
+        return iter(self.ranked)
+
+    def __len__(self):
+        return len(self.ranked)
+
+    def __getitem__(self, i):
+        return self.ranked[i]
+
+
+def _divisors(n: int) -> list:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _powers_of_two(limit: int) -> list:
+    out, k = [], 1
+    while k <= limit:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def candidates(shape: ModelShape, gpus: int, global_batch: int, max_b: int = 16, max_v: int = 8,
+               max_tp: int | None = None) -> list:
+    """Every legal configuration (see the module docstring)."""
+    out = []
+    for t in _divisors(gpus):
+        if max_tp is not None and t > max_tp:
+            continue
+        if shape.heads % t or shape.hidden % t or (shape.kv_heads % t and t % shape.kv_heads):
+            continue
+        for p in _divisors(gpus // t):
+            if p > shape.layers:
+                continue
+            d = gpus // (t * p)
+            if global_batch % d:
+                continue
+            for b in _powers_of_two(min(max_b, global_batch // d)):
+                if (global_batch // d) % b:
+                    continue
+                m = global_batch // (d * b)
+                if p > 1 and m < p:     # fewer microbatches than stages: most of the pipeline idles
+                    continue
+                for v in (1, 2, 3, 4, 6, 8):
+                    if v > max_v or (v > 1 and (p == 1 or shape.layers < p * v or m % p)):
+                        continue
+                    for recompute in ("none", "full"):
+                        for zero in ((0, 1) if d > 1 else (0,)):
+                            out.append(Candidate(d, p, t, b, m, v, recompute, zero))
+    return out
+
+
+def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int | None = None,
+         flash: bool = True, top: int = 10, max_tp: int | None = None, progress=None) -> Plans:
+    """The configurations of ``gpus`` GPUs of ``cluster`` training ``model`` on ``global_batch``
+    sequences a step, fastest first. ``model`` is a ``ModelShape``, the built-in GPT (config or model),
+    an HF config (object, dict or ``config.json`` path) or model; ``seq`` overrides its context length.
+    ``flash``: attention keeps no s x s matrix (FlashAttention / SDPA). ``progress(done, total)`` is
+    called while pricing."""
+    start = time.perf_counter()
+    shape = model_shape(model, seq)
+    cluster = cluster_named(cluster)
+    pool = candidates(shape, gpus, global_batch, max_tp=max_tp)
+    if not pool:
+        raise ValueError(f"no legal configuration of {gpus} GPUs for {shape.name} (heads {shape.heads}, layers "
+                         f"{shape.layers}) and a global batch of {global_batch}: the batch must divide over some dp "
+                         "size, and a tp size must divide the heads")
+    limit = cluster.hbm_bytes * cluster.usable_memory
+    fits, big = [], []
+    for i, c in enumerate(pool):
+        pred = predict(shape, cluster, c, flash)
+        (fits if pred.memory.total <= limit else big).append(pred)
+        if progress is not None and (i + 1) % 2000 == 0:
+            progress(i + 1, len(pool))
+    fits.sort(key=lambda q: q.step_seconds)
+    big.sort(key=lambda q: q.step_seconds)
+    ranked = []
+    winner = fits[0] if fits else None
+    for q in _distinct(fits)[:top]:
+        ranked.append(_plan(q, True, _why(q, winner, limit) if q is not winner else _bound(q)))
+    faster = [q for q in big if winner is None or q.step_seconds < winner.step_seconds]
+    too_big = [_plan(q, False, f"needs {size(q.memory.total)} per GPU, {size(q.memory.total - limit)} more than "
+                               f"the {size(limit)} usable")
+               for q in _distinct(faster)[:top]]
+    priced = [_plan(q, True, "") for q in fits] + [_plan(q, False, "") for q in big]
+    return Plans(shape, cluster, gpus, global_batch, ranked, too_big, len(pool), time.perf_counter() - start, priced)
+
+
+def _plan(q: Prediction, fits: bool, why: str) -> Plan:
+    c = q.candidate
+    return Plan(c.dp, c.pp, c.tp, c.b, c.m, c.v, c.schedule, c.recompute, c.zero, q, fits, why)
+
+
+def _bound(q: Prediction) -> str:
+    """What the winner's time goes to beyond compute."""
+    parts = sorted(((s, name) for name, s in q.breakdown.items() if name != "compute"), reverse=True)
+    total = q.step_seconds
+    top = ", ".join(f"{name} {s / total:.0%}" for s, name in parts[:3] if s > 0)
+    return f"compute {q.breakdown.compute / total:.0%} of the step" + (f"; then {top}" if top else "")
+
+
+def _why(q: Prediction, winner: Prediction, limit: float) -> str:
+    """Why ``q`` lost to ``winner``: the cost it pays most over it."""
+    mine, theirs = dict(q.breakdown.items()), dict(winner.breakdown.items())
+    name = max(mine, key=lambda k: mine[k] - theirs[k])
+    extra = (mine[name] - theirs[name]) * 1e3
+    return f"{(q.step_seconds / winner.step_seconds - 1):+.1%}: {extra:+.1f} ms of {name}"
+
+
+def _distinct(preds: list) -> list:
+    """One per (dp, pp, tp, v, recompute): the fastest microbatch size and ZeRO setting of each."""
+    seen, out = set(), []
+    for q in preds:
+        c = q.candidate
+        key = (c.dp, c.pp, c.tp, c.v, c.recompute)
+        if key not in seen:
+            seen.add(key)
+            out.append(q)
+    return out

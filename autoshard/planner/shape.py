@@ -1,0 +1,127 @@
+"""A transformer's sizes, as the planner prices it: layers, widths, heads, vocabulary and sequence.
+
+``model_shape`` reads them from what a user has: the built-in GPT (its config or a model built from it,
+on ``meta`` or not), an HF config (a ``PretrainedConfig``, a dict, or a ``config.json`` path) or an HF
+model. Nothing is allocated: a 1T-parameter model is planned from its config alone.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int                  # the MLP's inner width
+    vocab: int
+    seq: int
+    gated: bool = False       # SwiGLU / GeGLU: three MLP matrices instead of two
+    tied: bool = True         # the LM head reuses the embedding
+    positions: int = 0        # rows of a learned position table (0: rotary or none)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        """Weights of one transformer layer (biases and norms are a rounding error, and counted as 4h)."""
+        h = self.hidden
+        attention = h * (h + 2 * self.kv_width) + h * h
+        mlp = (3 if self.gated else 2) * h * self.ffn
+        return attention + mlp + 4 * h
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden + self.positions * self.hidden
+
+    def params(self) -> int:
+        head = 0 if self.tied else self.vocab * self.hidden
+        return self.layers * self.layer_params() + self.embedding_params() + head
+
+    def layer_forward_flops(self, tokens: float) -> float:
+        """Forward flops of one layer over ``tokens`` tokens of one sequence length (the GEMMs: the
+        projections, the attention scores and values, the MLP), as Megatron-LM's paper counts them."""
+        h, s = self.hidden, self.seq
+        projections = 2 * tokens * (h * (h + 2 * self.kv_width) + h * h)
+        attention = 2 * 2 * tokens * s * h
+        mlp = 2 * tokens * (3 if self.gated else 2) * h * self.ffn
+        return projections + attention + mlp
+
+    def head_forward_flops(self, tokens: float) -> float:
+        return 2 * tokens * self.hidden * self.vocab
+
+    def model_flops(self, tokens: float) -> float:
+        """Flops of one training step over ``tokens`` tokens without recompute: forward and backward (3x
+        forward), every layer and the LM head: the numerator of model TFLOP/s (MFU)."""
+        return 3 * (self.layers * self.layer_forward_flops(tokens) + self.head_forward_flops(tokens))
+
+
+def model_shape(model, seq: int | None = None, name: str | None = None) -> ModelShape:
+    """The ``ModelShape`` of ``model``: a ``ModelShape``, the built-in ``GPTConfig`` or GPT, an HF config
+    (object, dict or ``config.json`` path) or HF model. ``seq`` defaults to the model's context length."""
+    if isinstance(model, ModelShape):
+        return model if seq is None else _with_seq(model, seq)
+    if isinstance(model, (str, os.PathLike)):
+        with open(model) as f:
+            return model_shape(json.load(f), seq, name or os.path.basename(os.path.dirname(os.path.abspath(model))))
+    config = getattr(model, "config", model)
+    from autoshard.models.gpt import GPTConfig
+    if isinstance(config, GPTConfig):
+        s = seq or config.block_size
+        return ModelShape(name or "gpt", config.n_layer, config.n_embd, config.n_head, config.n_head,
+                          4 * config.n_embd, config.vocab_size, s, gated=False, tied=config.tie_weights,
+                          positions=config.block_size)
+    fields = config if isinstance(config, dict) else (config.to_dict() if hasattr(config, "to_dict") else vars(config))
+    return _from_hf(fields, seq, name)
+
+
+def _first(fields: dict, *keys, default=None):
+    for k in keys:
+        if fields.get(k) is not None:
+            return fields[k]
+    if default is None:
+        raise ValueError(f"the config has none of {keys}: pass a ModelShape(...) instead")
+    return default
+
+
+def _from_hf(fields: dict, seq, name) -> ModelShape:
+    hidden = int(_first(fields, "hidden_size", "n_embd", "d_model"))
+    heads = int(_first(fields, "num_attention_heads", "n_head"))
+    kv = int(_first(fields, "num_key_value_heads", "multi_query_group_num", default=heads))
+    ffn = int(_first(fields, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden) or 4 * hidden)
+    activation = str(_first(fields, "hidden_act", "activation_function", default="gelu"))
+    model_type = str(fields.get("model_type", ""))
+    gated = activation in ("silu", "swiglu", "geglu") or model_type in ("llama", "mistral", "mixtral", "qwen2",
+                                                                          "qwen3", "gemma", "gemma2", "phi3")
+    context = int(_first(fields, "max_position_embeddings", "n_positions", "seq_length", default=2048))
+    learned = model_type in ("gpt2", "opt", "gpt_bigcode")
+    return ModelShape(name or fields.get("_name_or_path") or model_type or "hf",
+                      int(_first(fields, "num_hidden_layers", "n_layer")), hidden, heads, kv, ffn,
+                      int(_first(fields, "vocab_size")), int(seq or context), gated=gated,
+                      tied=bool(fields.get("tie_word_embeddings", True)), positions=context if learned else 0)
+
+
+def _with_seq(shape: ModelShape, seq: int) -> ModelShape:
+    import dataclasses
+    return dataclasses.replace(shape, seq=seq)
+
+
+def _gpt(name, layers, hidden, heads, vocab=51200, seq=2048) -> ModelShape:
+    return ModelShape(name, layers, hidden, heads, heads, 4 * hidden, vocab, seq, positions=seq)
+
+
+# The GPT models of Megatron-LM's SC'21 paper (Narayanan et al., Table 1: vocabulary 51,200, sequence 2048)
+BUILTIN = {s.name: s for s in (
+    _gpt("gpt-1.7b", 24, 2304, 24), _gpt("gpt-3.6b", 30, 3072, 32), _gpt("gpt-7.5b", 36, 4096, 32),
+    _gpt("gpt-18b", 40, 6144, 48), _gpt("gpt-39b", 48, 8192, 64), _gpt("gpt-76b", 60, 10240, 80),
+    _gpt("gpt-145b", 80, 12288, 96), _gpt("gpt-310b", 96, 16384, 128), _gpt("gpt-530b", 105, 20480, 128),
+    _gpt("gpt-1t", 128, 25600, 160))}

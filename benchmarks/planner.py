@@ -1,0 +1,157 @@
+"""The planner against published large-scale runs: what it picks, and what it predicts for theirs.
+
+    python -m benchmarks.planner [--out benchmarks/results]
+
+Each row is a published training configuration with its measured throughput (sources below, and in
+``benchmarks/results/planner.md``). Per row: the configuration ``autoshard.plan`` picks for the same
+model, GPUs and global batch; the published (t, p, d); the TFLOP/s per GPU the planner predicts for the
+published (t, p, d) (with its best microbatch and virtual stages, the published recompute) against the
+published figure; and, where the picks differ, the cost that decides it. TFLOP/s are counted as each
+source counts them: Megatron-LM's formula includes the recomputed forward ("hardware"), the Llama 3
+paper's MFU does not ("model").
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import dataclass
+
+from autoshard.planner import DGX_A100, DGX_H100, ModelShape, candidates, plan, predict
+from autoshard.planner.shape import BUILTIN
+
+OUT = os.path.join(os.path.dirname(__file__), "results")
+
+
+@dataclass(frozen=True)
+class Published:
+    name: str
+    shape: ModelShape
+    cluster: object
+    gpus: int
+    global_batch: int
+    tp: int
+    pp: int
+    tflops: float          # per GPU, as the source counts them
+    counts: str            # "hardware": recompute counted (Megatron's formula); "model": not (MFU)
+    recompute: str         # what the run did
+    source: str
+    flash: bool = False    # 2021-22 runs kept the attention matrix (no FlashAttention)
+
+
+SC21 = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, "
+        "SC'21, Table 1 (A100 80GB, Selene)")
+SC21_ROWS = [("gpt-1.7b", 1, 1, 32, 512, 137), ("gpt-3.6b", 2, 1, 64, 512, 138), ("gpt-7.5b", 4, 1, 128, 512, 142),
+             ("gpt-18b", 8, 1, 256, 1024, 135), ("gpt-39b", 8, 2, 512, 1536, 138), ("gpt-76b", 8, 4, 1024, 1792, 140),
+             ("gpt-145b", 8, 8, 1536, 2304, 148), ("gpt-310b", 8, 16, 1920, 2160, 155),
+             ("gpt-530b", 8, 35, 2520, 2520, 163), ("gpt-1t", 8, 64, 3072, 3072, 163)]
+
+ROWS = [Published(f"SC'21 {n}", BUILTIN[n], DGX_A100, g, B, t, p, tf, "hardware", "full", SC21)
+        for n, t, p, g, B, tf in SC21_ROWS] + [
+    Published("BLOOM-176B", ModelShape("bloom-176b", 70, 14336, 112, 112, 4 * 14336, 250880, 2048),
+              DGX_A100, 384, 2048, 4, 12, 156, "hardware", "full",
+              "BigScience, BLOOM: A 176B-Parameter Open-Access Multilingual Language Model (arXiv 2211.05100), "
+              "section 3.4: 384 A100 80GB, TP=4, PP=12, DP=8, ZeRO-1, 156 TFLOP/s per GPU"),
+    Published("MT-NLG 530B (280 nodes)", BUILTIN["gpt-530b"], DGX_A100, 2240, 1920, 8, 35, 126, "hardware", "full",
+              "Smith et al., Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B (arXiv 2201.11990), "
+              "section 2.4: 280 DGX A100 nodes, TP=8, PP=35, batch 1920, 126 TFLOP/s per GPU"),
+    Published("MT-NLG 530B (420 nodes)", BUILTIN["gpt-530b"], DGX_A100, 3360, 1920, 8, 35, 113, "hardware", "full",
+              "as above: 420 nodes, 113 TFLOP/s per GPU"),
+    Published("Llama 3 405B (8K GPUs)", ModelShape("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192,
+                                                  gated=True, tied=False),
+              DGX_H100, 8192, 2048, 8, 16, 430, "model", "none",
+              "Llama Team, The Llama 3 Herd of Models (arXiv 2407.21783), Table 4: 8,192 H100, TP=8, CP=1, PP=16, "
+              "DP=64, 16M tokens a batch, 430 TFLOP/s per GPU (43% BF16 MFU)", flash=True),
+    Published("Llama 3 405B (16K GPUs)", ModelShape("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192,
+                                                   gated=True, tied=False),
+              DGX_H100, 16384, 2048, 8, 16, 400, "model", "none",
+              "as above: 16,384 H100, DP=128, 400 TFLOP/s per GPU (41% MFU)", flash=True),
+]
+
+
+def _rate(q, counts: str) -> float:
+    return q.hardware_tflops_per_gpu if counts == "hardware" else q.tflops_per_gpu
+
+
+def theirs(row: Published):
+    """The planner's prediction for the published (t, p, d): its best b, v and ZeRO that fit, with the
+    published recompute (None if none fits)."""
+    d = row.gpus // (row.tp * row.pp)
+    limit = row.cluster.hbm_bytes * row.cluster.usable_memory
+    preds = [predict(row.shape, row.cluster, c, row.flash) for c in candidates(row.shape, row.gpus, row.global_batch)
+             if (c.tp, c.pp, c.dp, c.recompute) == (row.tp, row.pp, d, row.recompute)]
+    fitting = [q for q in preds if q.memory.total <= limit]
+    return min(fitting or preds, key=lambda q: q.step_seconds) if preds else None, bool(fitting)
+
+
+def _differ(mine, other) -> str:
+    """The costs that separate the planner's pick from the published configuration."""
+    a, b = dict(mine.breakdown.items()), dict(other.breakdown.items())
+    diffs = sorted(((b[k] - a[k], k) for k in a), reverse=True)
+    gain = ", ".join(f"{k} {d:+.2f} s" for d, k in diffs[:2] if d > 0)
+    return f"the published one pays {gain} more a step" if gain else "-"
+
+
+def run() -> list:
+    out = []
+    for row in ROWS:
+        start = time.perf_counter()
+        plans = plan(row.shape, row.gpus, row.cluster, row.global_batch, flash=row.flash)
+        seconds = time.perf_counter() - start
+        best = plans.best
+        q, fits = theirs(row)
+        predicted = _rate(q, row.counts) if q is not None else float("nan")
+        same = (best.tp, best.pp) == (row.tp, row.pp)
+        out.append(dict(name=row.name, gpus=row.gpus, batch=row.global_batch, published=(row.tp, row.pp, row.gpus // (row.tp * row.pp)),
+                        published_tflops=row.tflops, counts=row.counts, predicted=predicted,
+                        error=predicted / row.tflops - 1, fits=fits,
+                        theirs=f"b={q.candidate.b} v={q.candidate.v} zero={q.candidate.zero}" if q else "-",
+                        pick=(best.tp, best.pp, best.dp), pick_label=best.label(),
+                        pick_vs=best.step_seconds / q.step_seconds - 1 if q is not None else float("nan"),
+                        same=same, why="-" if same or q is None else _differ(best.prediction, q),
+                        seconds=seconds, source=row.source))
+    return out
+
+
+def markdown(rows: list) -> str:
+    lines = ["# The planner against published runs", "",
+             "`python -m benchmarks.planner`. TFLOP/s per GPU as each source counts them (hardware: Megatron-LM's "
+             "formula, the recomputed forward included; model: MFU's numerator). *Predicted* is the planner's "
+             "figure for the published (t, p, d), with its best microbatch, virtual stages and ZeRO setting and the "
+             "published recompute; *pick* is what `autoshard.plan` chooses for the same model, GPUs and batch.", "",
+             "*Pick's step* is its predicted step time against the published configuration's (negative: predicted "
+             "faster); *why* names the costs the published configuration pays more of.", "",
+             "| run | GPUs | batch | published (t, p, d) | published TFLOP/s | predicted | error | pick | pick's step | why the picks differ | plan s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        fits = "" if r["fits"] else " (predicted out of memory)"
+        lines.append(f"| {r['name']} | {r['gpus']} | {r['batch']} | {r['published']} | {r['published_tflops']:.0f} "
+                     f"({r['counts']}) | {r['predicted']:.1f}{fits} ({r['theirs']}) | {r['error']:+.1%} | "
+                     f"{r['pick_label']}{' (same t, p)' if r['same'] else ''} | {r['pick_vs']:+.1%} | {r['why']} | {r['seconds']:.2f} |")
+    errors = [abs(r["error"]) for r in rows if r["error"] == r["error"]]
+    lines += ["", f"Worst error {max(errors):.1%}, mean {sum(errors) / len(errors):.1%} over {len(errors)} runs; "
+              f"{sum(r['same'] for r in rows)} of {len(rows)} picks are the published (t, p).", "", "## Sources", ""]
+    seen = []
+    for r in rows:
+        if r["source"] not in seen:
+            seen.append(r["source"])
+            lines.append(f"- {r['source']}")
+    lines += ["", "Clusters: `autoshard/planner/cluster.py` (DGX A100 and DGX H100 presets, with their sources).", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=OUT, help="folder for planner.md ('none': print only)")
+    args = ap.parse_args(argv)
+    text = markdown(run())
+    print(text)
+    if args.out != "none":
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "planner.md"), "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

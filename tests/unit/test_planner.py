@@ -1,0 +1,172 @@
+"""The planner (``autoshard/planner/``): its costs against closed forms, the SC'21 paper's takeaways coming
+out of those costs on synthetic clusters, the CLI on a model that has no weights, and a plan trained."""
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+import autoshard
+from autoshard.models.gpt import GPT, GPTConfig
+from autoshard.planner import DGX_A100, Candidate, Link, ModelShape, plan, predict
+from autoshard.planner.cost import activation_bytes_per_layer, bubble_fraction, in_flight, ring_all_reduce_seconds
+from autoshard.planner.shape import BUILTIN, model_shape
+
+# a cluster where only compute costs: what the closed forms of the bubble are about
+FREE_LINKS = DGX_A100.with_(intra=Link(1e30, 0.0), inter=Link(1e30, 0.0), hbm_bandwidth=1e30)
+SMALL_VOCAB = ModelShape("toy", layers=16, hidden=4096, heads=32, kv_heads=32, ffn=16384, vocab=8, seq=2048)
+
+
+def test_ring_all_reduce_is_the_closed_form():
+    for n in (2, 4, 8, 64):
+        nbytes, bw = 3e8, 2e11
+        assert ring_all_reduce_seconds(nbytes, n, Link(bw, 0.0)) == pytest.approx(2 * (n - 1) / n * nbytes / bw)
+        assert ring_all_reduce_seconds(nbytes, n, Link(bw, 1e-5)) == pytest.approx(
+            2 * (n - 1) / n * nbytes / bw + 2 * (n - 1) * 1e-5)
+    assert ring_all_reduce_seconds(1e9, 1, Link(1.0, 1.0)) == 0.0
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 8, 1), (4, 8, 2), (8, 32, 1), (8, 16, 4), (2, 2, 1)])
+def test_the_bubble_is_p_minus_1_over_v_m(p, m, v):
+    """With free links and no LM head to unbalance the stages, the predicted idle time over the ideal
+    (m microbatches' compute) is (p - 1) / m for 1F1B and (p - 1) / (v m) interleaved."""
+    q = predict(SMALL_VOCAB, FREE_LINKS, Candidate(dp=1, pp=p, tp=1, b=1, m=m, v=v))
+    assert q.breakdown.bubble / q.breakdown.compute == pytest.approx(bubble_fraction(p, m, v), rel=2e-3)
+    assert bubble_fraction(p, m, v) == (p - 1) / (v * m)
+
+
+def test_activation_memory_is_the_papers_formula():
+    """Korthikanti et al.: s b h (10 + 24/t + 5 a s / (h t)) bytes a layer (16-bit), 2 s b h with full
+    recompute; flash attention drops the attention matrix's 5 a s / (h t)."""
+    s = BUILTIN["gpt-18b"]
+    for t in (1, 2, 8):
+        b, h, a, seq = 2, s.hidden, s.heads, s.seq
+        want = seq * b * h * (10 + 24 / t + 5 * a * seq / (h * t))
+        assert activation_bytes_per_layer(s, b, t, "none", flash=False) == pytest.approx(want)
+        assert activation_bytes_per_layer(s, b, t, "none", flash=True) == pytest.approx(seq * b * h * (10 + 24 / t))
+        assert activation_bytes_per_layer(s, b, t, "full") == 2 * seq * b * h
+    # the first rank of 1F1B holds p microbatches; interleaving holds more (its warm-up)
+    assert in_flight(8, 32, 1) == 8 and in_flight(8, 4, 1) == 4 and in_flight(8, 32, 1, rank=7) == 1
+    assert in_flight(8, 32, 2) == 2 * 7 + 8 + 1
+
+
+def test_memory_counts_18_bytes_a_parameter_and_zero_divides_the_optimizer():
+    s = BUILTIN["gpt-7.5b"]
+    plain = predict(s, DGX_A100, Candidate(dp=8, pp=1, tp=1, b=1, m=1)).memory
+    zero = predict(s, DGX_A100, Candidate(dp=8, pp=1, tp=1, b=1, m=1, zero=1)).memory
+    params = s.params()
+    assert (plain.parameters + plain.gradients + plain.optimizer) / params == pytest.approx(18, rel=1e-6)
+    assert zero.optimizer == pytest.approx(plain.optimizer / 8)
+
+
+def _best(shape, gpus, cluster, batch):
+    return plan(shape, gpus, cluster, batch).best
+
+
+def test_tensor_parallelism_stays_inside_a_node():
+    """Takeaway 1 of the paper: t up to the GPUs of a node. Shrink the node and t follows it down."""
+    shape = BUILTIN["gpt-145b"]
+    for node in (8, 4, 2):
+        assert _best(shape, 256, DGX_A100.with_(gpus_per_node=node), 1024).tp <= node
+
+
+def test_a_faster_network_between_nodes_buys_more_data_parallelism():
+    shape = BUILTIN["gpt-18b"]
+    dps = [_best(shape, 256, DGX_A100.with_(inter=Link(bw, 10e-6)), 1024).dp for bw in (5e9, 23e9, 200e9)]
+    assert dps == sorted(dps) and dps[0] < dps[-1], dps
+
+
+def test_interleaving_when_microbatches_are_few():
+    """Takeaway: interleaved stages pay when m is small against p (the bubble (p - 1)/(v m) is large),
+    and stop paying when m is large (their extra sends cost more than the bubble they save)."""
+    shape = BUILTIN["gpt-145b"]
+    small, large = _best(shape, 512, DGX_A100, 64), _best(shape, 512, DGX_A100, 2048)
+    assert small.pp > 1 and small.v > 1, small.label()
+    assert large.v == 1 or large.v < small.v, (small.label(), large.label())
+
+
+def test_more_memory_allows_a_larger_microbatch():
+    shape = BUILTIN["gpt-7.5b"]
+    bs = [_best(shape, 64, DGX_A100.with_(hbm_bytes=hbm), 512).b for hbm in (40e9, 80e9, 160e9)]
+    assert bs == sorted(bs) and bs[0] < bs[-1], bs
+
+
+def test_every_plan_fits_and_the_faster_ones_that_do_not_say_by_how_much():
+    plans = plan(BUILTIN["gpt-1t"], 3072, "dgx-a100", 3072)
+    limit = DGX_A100.hbm_bytes * DGX_A100.usable_memory
+    assert plans.ranked and all(p.fits and p.memory_bytes <= limit for p in plans.ranked)
+    steps = [p.step_seconds for p in plans.ranked]
+    assert steps == sorted(steps)
+    assert all(not p.fits and p.step_seconds < plans.best.step_seconds and "more than the" in p.why
+               for p in plans.too_big)
+    assert all(p.why.startswith("+") for p in plans.ranked[1:])     # how much slower, and on what
+    assert plans.best.tp * plans.best.pp * plans.best.dp == 3072
+
+
+def test_nothing_fits_is_a_clear_error():
+    plans = plan(BUILTIN["gpt-1t"], 8, "dgx-a100", 8)
+    with pytest.raises(ValueError, match="no configuration of 8 GPUs fits .* the smallest needs"):
+        plans.best
+
+
+def test_shapes_from_the_builtin_gpt_on_meta_and_an_hf_config(tmp_path):
+    cfg = GPTConfig(n_layer=3, n_embd=64, n_head=4, vocab_size=96, block_size=32)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    shape = model_shape(model)
+    real = sum(p.numel() for p in model.parameters())
+    assert (shape.layers, shape.hidden, shape.heads, shape.seq) == (3, 64, 4, 32)
+    assert abs(shape.params() - real) / real < 0.02           # biases and norms are 4h a layer
+    llama = {"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2,
+             "intermediate_size": 1376, "num_hidden_layers": 4, "vocab_size": 1000, "hidden_act": "silu",
+             "max_position_embeddings": 256, "tie_word_embeddings": False}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(llama))
+    s = model_shape(str(path), seq=128)
+    assert (s.kv_heads, s.ffn, s.gated, s.tied, s.seq) == (2, 1376, True, False, 128)
+    transformers = pytest.importorskip("transformers")
+    with torch.device("meta"):
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{k: v for k, v in llama.items() if k != "model_type"}))
+    real = sum(p.numel() for p in hf.parameters())
+    assert abs(model_shape(hf).params() - real) / real < 0.02
+
+
+def test_the_cli_plans_a_model_without_weights(tmp_path, capsys):
+    from autoshard.__main__ import main
+    assert main(["plan", "--model", "gpt-1t", "--gpus", "3072", "--cluster", "dgx-a100", "--global-batch", "1536",
+                 "--seq", "2048", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| 1 |" in out and "best: dp=" in out
+    md = (tmp_path / "plan.md").read_text()
+    assert "## The winner" in md and "pipeline bubble" in md and "activations in flight" in md
+    svg = (tmp_path / "plan.svg").read_text()
+    assert svg.startswith("<svg") and svg.count("<circle") > 10
+    assert main(["plan", "--model", "gpt:n_layer=2,n_embd=64,n_head=4", "--gpus", "4", "--global-batch", "8",
+                 "--out", "none"]) == 0
+
+
+def test_a_plan_trains_exactly_like_the_model():
+    """``parallelize(..., plan=p)`` takes the plan's microbatches and recompute; the loss and gradients
+    are the single-device model's. A plan for another mesh or batch is refused with the fix."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)
+    model = GPT(cfg)
+    shape = model_shape(cfg)
+    best = plan(shape, 1, DGX_A100.with_(hbm_bytes=7e5), global_batch=8).best   # a tiny GPU: microbatches
+    assert best.m > 1, best.label()
+    idx = torch.randint(0, 64, (8, 16))
+    tgt = torch.randint(0, 64, (8, 16))
+    ref = copy.deepcopy(model)
+    _, want = ref(idx, tgt)
+    want.backward()
+    pm = autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (idx, tgt), loss_only=True, plan=best)
+    got = pm.step(idx, tgt)
+    assert math.isclose(float(got.detach()), float(want.detach()), rel_tol=1e-5)
+    grads = dict(ref.named_parameters())
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="the plan is for dp=1 pp=1 tp=1, the mesh is dp=1 pp=1 tp=2"):
+        autoshard.parallelize(copy.deepcopy(model), {"tp": 2}, (idx, tgt), plan=best)
+    with pytest.raises(ValueError, match="the example batch has 4"):
+        autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (idx[:4], tgt[:4]), plan=best)
