@@ -75,7 +75,7 @@ class Cluster:
 
     @staticmethod
     def measure(name: str = "measured", sizes=(64, 128, 256, 512, 1024), dtype: torch.dtype | None = None,
-                collective_bytes=(2**12, 2**16, 2**20, 2**22), repeats: int = 3) -> "Cluster":
+                collective_bytes=(2**12, 2**16, 2**20, 2**22, 2**24), repeats: int = 3) -> "Cluster":
         """This machine's numbers: GEMM throughput over ``sizes`` (fitting the efficiency curve), a large
         copy (memory bandwidth), and, in a process group of several ranks, all-reduces over
         ``collective_bytes`` (fitting latency and bandwidth with the ring formula). Every rank of the
@@ -110,9 +110,10 @@ def _sync(device):
 
 
 def _timed(fn, device, repeats: int, at_least: float = 0.02) -> float:
-    """Seconds of one ``fn()``: the best of ``repeats`` loops, each long enough (``at_least`` seconds) to
-    be timed, started together on every rank of the process group so that ranks sharing a host's
-    cores or memory measure under the contention a step runs under."""
+    """Seconds of one ``fn()``: the median of ``repeats`` loops, each long enough (``at_least`` seconds)
+    to be timed. In a process group every loop starts and ends together on every rank (a barrier on
+    each side, the slowest rank's time), so ranks sharing a host's cores or memory measure under the
+    contention a step runs under."""
     fn()
     _sync(device)
     start, n = time.perf_counter(), 0
@@ -121,17 +122,20 @@ def _timed(fn, device, repeats: int, at_least: float = 0.02) -> float:
         n += 1
     _sync(device)
     calls = max(1, int(n * at_least / max(time.perf_counter() - start, 1e-9) / 4))
-    best = math.inf
+    together = dist.is_initialized() and dist.get_world_size() > 1
+    seconds = []
     for _ in range(repeats):
-        if dist.is_initialized():
+        if together:
             dist.barrier()
         _sync(device)
         start = time.perf_counter()
         for _ in range(calls):
             fn()
         _sync(device)
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best
+        if together:
+            dist.barrier()
+        seconds.append((time.perf_counter() - start) / calls)
+    return sorted(seconds)[len(seconds) // 2]
 
 
 def _gemm_rate(shape, dtype, device, repeats) -> float:
@@ -142,17 +146,18 @@ def _gemm_rate(shape, dtype, device, repeats) -> float:
 
 
 def _fit_gemm(rates) -> tuple:
-    """(peak, half_dim, max_efficiency): peak is the best rate seen; the half dim is the one whose curve
-    fits the rates best (least squared relative error), and the efficiency scale follows from it."""
-    peak = max(r for _, r in rates)
+    """(peak, half_dim, max_efficiency) of ``rate = peak * prod(x / (x + half))``, fitted in log space
+    (each half dim's best peak is the geometric mean of rate / curve; the half dim with the least
+    squared log error wins). A measured cluster's peak is the rate its GEMMs tend to: efficiency 1."""
     best = None
-    for half in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
+    for half in (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512):
         curve = [math.prod(x / (x + half) for x in shape) for shape, _ in rates]
-        top = max(r / peak / c for (_, r), c in zip(rates, curve))
-        err = sum((top * c - r / peak) ** 2 / (r / peak) ** 2 for (_, r), c in zip(rates, curve))
+        logs = [math.log(r / c) for (_, r), c in zip(rates, curve)]
+        peak = math.exp(sum(logs) / len(logs))
+        err = sum((v - math.log(peak)) ** 2 for v in logs)
         if best is None or err < best[0]:
-            best = (err, half, min(1.0, top))
-    return peak / best[2] if best[2] < 1 else peak, float(best[1]), best[2]
+            best = (err, half, peak)
+    return best[2], float(best[1]), 1.0
 
 
 def _copy_rate(device, repeats, numel: int = 2**24) -> float:
@@ -161,16 +166,19 @@ def _copy_rate(device, repeats, numel: int = 2**24) -> float:
     return 2.0 * x.numel() * x.element_size() / max(_timed(lambda: y.copy_(x), device, repeats), 1e-12)
 
 
-def _op_overhead(repeats, ops: int = 200) -> float:
-    """Seconds per op of a chain of tiny ops with autograd, forward and backward: the host's floor."""
-    x = torch.ones(8, requires_grad=True)
+def _op_overhead(repeats, blocks: int = 50) -> float:
+    """Seconds per op of a chain of tiny layer-like ops (a linear, a norm, a GeLU, a residual add) with
+    autograd, forward and backward: what each op of a step costs the host whatever its size."""
+    import torch.nn.functional as F
+    x = torch.ones(2, 8, requires_grad=True)
+    w = torch.ones(8, 8, requires_grad=True)
 
     def chain():
         y = x
-        for _ in range(ops):
-            y = y * 1.0001
+        for _ in range(blocks):
+            y = y + F.gelu(F.layer_norm(F.linear(y, w), (8,)))
         y.sum().backward()
-    return _timed(chain, torch.device("cpu"), repeats) / (3 * ops)     # a backward op costs about two forward ones
+    return _timed(chain, torch.device("cpu"), repeats) / (3 * 4 * blocks)   # a backward op costs about two forward ones
 
 
 def _all_reduce_seconds(nbytes: int, device, repeats) -> float:
@@ -198,7 +206,9 @@ def _fit_link(samples, world: int) -> Link:
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-30)
-    slope = max(slope, 1e-15)
+    largest = max(range(n), key=lambda i: xs[i])
+    floor = ys[largest] / xs[largest]           # seconds per byte if the largest message paid no latency
+    slope = slope if slope > 0 else floor       # timing noise can tilt the fit flat or negative
     intercept = max(my - slope * mx, 0.0)
     return Link(bandwidth=1.0 / slope, latency=intercept / steps)
 

@@ -33,6 +33,8 @@ from autoshard.planner.shape import ModelShape
 BF16, FP32 = 2, 4
 OPS_PER_LAYER = 30        # ops a transformer layer's forward launches (norms, projections, attention, MLP, adds)
 OPS_HEAD = 12             # the LM head and the loss's
+TENSORS_PER_LAYER = 12    # parameter tensors of a layer (weights, biases, norms): the optimizer's ops go per tensor
+OPS_PER_TENSOR = 15       # a foreach AdamW's ops per parameter tensor (on a host that pays per op)
 
 
 @dataclass(frozen=True)
@@ -225,15 +227,17 @@ def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, last_backw
     """(exposed dp seconds, optimizer seconds)."""
     params = _rank_params(shape, c)
     opt_bytes = params * (FP32 * 6 + BF16)        # read/write master, m, v; read grad; write bf16 weights
+    tensors = math.ceil(shape.layers / c.pp) * TENSORS_PER_LAYER + 4
+    host = tensors * OPS_PER_TENSOR * cluster.op_overhead
     if c.dp == 1:
-        return 0.0, _pointwise(cluster, opt_bytes)
+        return 0.0, _pointwise(cluster, opt_bytes) + host
     link = cluster.link(c.dp, c.tp)
     reduce = ring_all_reduce_seconds(FP32 * params, c.dp, link)
     exposed = max(0.0, reduce - 2.0 / 3.0 * last_backward_window)
     if c.zero:
         gather = ring_all_reduce_seconds(BF16 * params, c.dp, link) / 2     # an all-gather: half a ring all-reduce
-        return exposed + gather, _pointwise(cluster, opt_bytes / c.dp)
-    return exposed, _pointwise(cluster, opt_bytes)
+        return exposed + gather, _pointwise(cluster, opt_bytes / c.dp) + host
+    return exposed, _pointwise(cluster, opt_bytes) + host
 
 
 def _memory(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool) -> Memory:
