@@ -364,7 +364,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     ``codegen="inductor"`` compiles each rank's program (forward, loss and backward, its collectives as
     functional collectives) with ``torch.compile``: Inductor writes the kernels (Triton on a GPU, C++ on
     a CPU) instead of the eager ops and ``fuse``'s generated kernels; "autoshard" runs the program
-    eagerly; "auto" is the path measured fastest (README, "Code generation").
+    eagerly; "auto" is the path measured fastest (README, "Code generation"). With "inductor" on CUDA,
+    ``cuda_graphs=True`` replays each program's forward and backward as CUDA graphs.
 
     ``check_finite=True`` (or ``AUTOSHARD_CHECK_FINITE=1``) raises on every rank, naming the step, when a
     training loss (and, in ``pm.step``, the gradient norm) is NaN or inf, as Megatron's

@@ -241,7 +241,8 @@ def gpu_step(args) -> list:
                 codegen = "inductor" if "inductor" in variant else "autoshard"
                 example = dict(input_ids=ids, labels=ids, use_cache=False) if hf else None
                 pm = autoshard.parallelize(model, mesh, () if hf else (ids, ids), example, loss_only=True,
-                                           mixed_precision="bf16", fuse="auto" if fuse else False, codegen=codegen)
+                                           mixed_precision="bf16", fuse="auto" if fuse else False, codegen=codegen,
+                                           cuda_graphs="cuda_graphs" in variant)
                 module, fwd = pm, (lambda pm=pm: call(pm))
             else:
                 model = model.to(device)
@@ -335,7 +336,8 @@ def main(argv=None):
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--variants", nargs="+", default=["eager", "torch.compile", "autoshard", "autoshard fuse=False",
-                                                     "autoshard codegen=inductor"])
+                                                     "autoshard codegen=inductor",
+                                                     "autoshard codegen=inductor cuda_graphs"])
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out", default=OUT)
     args = p.parse_args(argv)

@@ -149,6 +149,7 @@ class CompileOptions:
     recompute: bool | str = "auto"                    # each layer recomputed in backward; "auto": the model's flag
     loss_fn: object = None                            # loss_fn(model output, target): compiled in (torch pipelining's)
     codegen: str = "auto"                             # "autoshard" (eager ops + fuse's kernels), "inductor", "auto"
+    cuda_graphs: bool = False                         # replay each program as CUDA graphs (codegen="inductor", CUDA)
     check_finite: bool | None = None                  # raise on a NaN/inf loss or gradient norm (None: AUTOSHARD_CHECK_FINITE)
 
     def __post_init__(self):
@@ -166,6 +167,9 @@ class CompileOptions:
         if self.codegen not in CODEGENS:
             raise ValueError(f"codegen={self.codegen!r}: choose one of {CODEGENS} ('inductor' compiles each rank's "
                              "program with torch.compile; 'autoshard' runs it eagerly with autoshard's own kernels)")
+        if self.cuda_graphs and resolved_codegen(self.codegen) != "inductor":
+            raise ValueError(f"cuda_graphs=True with codegen={self.codegen!r}: CUDA graphs are captured by "
+                             "torch.compile's 'reduce-overhead' mode, so pass codegen='inductor' with it")
         rows = self.loss_chunk_rows
         if not (rows is None or rows == "auto" or (isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0)):
             raise ValueError(f"loss_chunk_rows={rows!r}: rows per chunk of the LM head + loss are 'auto' (Liger's "

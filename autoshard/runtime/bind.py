@@ -84,11 +84,15 @@ class BoundOp(nn.Module):
         return self.op.extra_repr()
 
 
-def bind(gm: fx.GraphModule, comms: dict, device: torch.device | None = None, codegen: str = "autoshard"):
+def bind(gm: fx.GraphModule, comms: dict, device: torch.device | None = None, codegen: str = "autoshard",
+         cuda_graphs: bool = False):
     """A runnable copy of ``gm``: every ``ir.ops`` record bound to ``comms[record.axis]``, its device literals
     on ``device`` (``runtime/device.py``; None: as traced). ``codegen`` is the program's option
     (``resolved_codegen``): with "inductor", the ops' traceable implementations, and the whole program
-    handed to ``torch.compile`` (``runtime/traceable.py``)."""
+    handed to ``torch.compile`` (``runtime/traceable.py``); with ``cuda_graphs`` as well, in its
+    "reduce-overhead" mode: every call after the first replays the program's forward and backward as CUDA
+    graphs (torch's CUDA graph trees), collectives included where NCCL allows. The shapes are static (one
+    program per shape is what the program cache keeps), which is what a CUDA graph needs."""
     codegen = resolved_codegen(codegen)
     table = TRACEABLE if codegen == "inductor" else IMPLEMENTATIONS
     root = nn.Module()
@@ -108,6 +112,8 @@ def bind(gm: fx.GraphModule, comms: dict, device: torch.device | None = None, co
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # the program keeps its own graph, untouched
     bound = checkpoint_regions(retarget(fx.GraphModule(root, graph), device))   # the recompute plan's regions, if any
+    if codegen == "inductor" and cuda_graphs:
+        return torch.compile(bound, dynamic=False, mode="reduce-overhead")
     if codegen == "inductor":     # static shapes: one compiled graph per program, as the program cache is keyed
         return torch.compile(bound, dynamic=False, options={"reorder_for_compute_comm_overlap": True})
     return bound

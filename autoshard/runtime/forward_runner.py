@@ -57,7 +57,8 @@ class ForwardRunner:
         m = self.module
         constants = {name: m.program_constant(program, name) for name in program.captured.buffer_names
                      if m.buffer(name) is None}
-        self.programs.put(key, Bound(program, bind(program.gm, m.comms, m.device, program.options.codegen), constants))
+        graph = bind(program.gm, m.comms, m.device, program.options.codegen, program.options.cuda_graphs)
+        self.programs.put(key, Bound(program, graph, constants))
 
     def bound_for(self, leaves, spec, training: bool) -> Bound:
         key = program_key(training, leaves, spec)

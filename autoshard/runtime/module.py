@@ -66,6 +66,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self.params = ShardedParameters(program.params, model, self.comms["tp"], tp_mesh)
         self.aliases = dict(program.captured.aliases)
         self.device = mesh_device(tp_mesh)              # where this rank computes (runtime/device.py)
+        _check_cuda_graphs(program, self.device or next((p.device for p in self.params.parameters()), None))
         self._persistent = set(model.state_dict().keys())
         self._model_buffers = model_buffers(model, self._persistent)   # a buffer on meta rebuilt, as the model would
         self._buffer_names = []              # the model's buffers, registered as b0, b1, ... (names may hold "__")
@@ -268,6 +269,15 @@ class ParallelModule(training.TrainingMethods, nn.Module):
     def measured_timeline(self):
         """The last step's timeline over every pp rank (a collective over pp): what the dump draws."""
         return self.runner.measured_timeline()
+
+
+def _check_cuda_graphs(program, device) -> None:
+    """``cuda_graphs=True`` needs a rank computing on CUDA: say so before anything is bound."""
+    if program.options.cuda_graphs and (device is None or device.type != "cuda"):
+        where = device.type if device is not None else "no device (the model holds no parameters)"
+        raise ValueError(f"cuda_graphs=True replays each program as CUDA graphs, but this rank computes on {where}: "
+                         "build the mesh on CUDA (autoshard.init_mesh under torchrun with NCCL) and the model there, "
+                         "or leave cuda_graphs off")
 
 
 def _scalar_loss(flat):

@@ -52,7 +52,8 @@ class StepRunner:
             for i in c.inputs:
                 if i.kind == "buffer" and i.name not in self.constants and module.buffer(i.name) is None:
                     self.constants[i.name] = module.program_constant(program, i.name)
-        self.graphs = nn.ModuleDict({str(c.index): bind(c.gm, module.comms, module.device, program.options.codegen)
+        opts = program.options
+        self.graphs = nn.ModuleDict({str(c.index): bind(c.gm, module.comms, module.device, opts.codegen, opts.cuda_graphs)
                                      for c in program.own})
         out = dump_dir(program.options.dump)
         self.dump = (out if program.rank == 0 else f"{out}/rank{program.rank}") if out else None

@@ -136,3 +136,15 @@ def test_mixed_precision_names_an_fp32_buffer_that_reaches_a_matmul():
     with pytest.raises(ValueError, match=r"mixed_precision: 'fc' multiplies .*bfloat16.*float32.*Cast it in the model"):
         autoshard.compile_rank(PositionTable(), {"tp": 2}, 0, (torch.randint(0, 64, (2, 8)),),
                                options=autoshard.CompileOptions(mixed_precision="bf16"))
+
+
+def test_cuda_graphs_need_inductor_and_cuda():
+    """``cuda_graphs=True`` is torch.compile's "reduce-overhead" mode over each program: without
+    ``codegen="inductor"`` the options refuse it, and on a CPU mesh the module does, each naming the fix.
+    (The GPU path itself runs in ``tests/gpu_check.py``.)"""
+    model = build("gpt", n_layer=1)
+    args, _ = batch("gpt", 96, B=2)
+    with pytest.raises(ValueError, match="pass codegen='inductor' with it"):
+        autoshard.parallelize(model, {"tp": 1}, args, cuda_graphs=True)
+    with pytest.raises(ValueError, match="this rank computes on cpu: build the mesh on CUDA"):
+        autoshard.parallelize(model, {"tp": 1}, args, cuda_graphs=True, codegen="inductor")
