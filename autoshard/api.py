@@ -358,7 +358,9 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     logits (``loss_only``, ``pm.step``), the LM head and the cross-entropy run chunked over tokens so the
     logits never exist whole: ``loss_chunk_rows`` rows at a time ("auto": Liger's rule, at least 256;
     None: off). ``recompute=True`` keeps only each layer's input for backward and runs the layer again
-    there (Megatron's full recompute); ``"auto"`` does so when the model asks (HF's
+    there (Megatron's full recompute); ``"selective"`` runs only each attention's core again (scores,
+    softmax, dropout, times v: Korthikanti et al.'s selective recompute); ``"auto"`` does full recompute
+    when the model asks (HF's
     ``model.activation_checkpointing_enable()``, formerly ``gradient_checkpointing_enable()``).
 
     ``codegen="inductor"`` compiles each rank's program (forward, loss and backward, its collectives as

@@ -63,20 +63,33 @@ def _projects(n) -> bool:
     return getattr(n.target, "overloadpacket", None) in _PROJECTIONS
 
 
-def _attentions(gm):
-    """``(node, q, k, v)`` for every attention in the graph."""
+def _cores(gm):
+    """``(first, q, k, v, output)`` for every attention in the graph: an SDPA call (first and output
+    are the call), or ``q @ k^T`` (first) whose softmax feeds a product with ``v`` (output)."""
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
         if n.target is aten.scaled_dot_product_attention.default:
-            yield n, n.args[0], n.args[1], n.args[2]
+            yield n, n.args[0], n.args[1], n.args[2], n
         elif getattr(n.target, "overloadpacket", None) is aten.matmul and len(shape_of(n) or ()) == 4:
             scores = _softmax_of(n)
             if scores is None:
                 continue
             pv = next((u for u in _descendants(scores) if getattr(u.target, "overloadpacket", None) is aten.matmul), None)
             if pv is not None:
-                yield n, n.args[0], n.args[1], pv.args[1]
+                yield n, n.args[0], n.args[1], pv.args[1], pv
+
+
+def _attentions(gm):
+    """``(node, q, k, v)`` for every attention in the graph."""
+    for n, q, k, v, _ in _cores(gm):
+        yield n, q, k, v
+
+
+def attentions(gm) -> list:
+    """``(first node, output node)`` of every attention core, in graph order: what selective recompute
+    runs again in backward (``passes/selective_recompute.py``)."""
+    return [(first, out) for first, _, _, _, out in _cores(gm)]
 
 
 def _descendants(n, depth=4):

@@ -34,6 +34,7 @@ from autoshard.passes.overlap import overlap_grad_allreduce_pass
 from autoshard.passes.pipeline_split import pipeline_split_pass
 from autoshard.passes.plan import plan_pass
 from autoshard.passes.recompute import recompute_pass
+from autoshard.passes.selective_recompute import selective_recompute_pass
 from autoshard.passes.stack_scans import stack_scans_pass
 from autoshard.passes.tp_rewrite import tp_rewrite_pass
 from autoshard.passes.unit_axis import drop_unit_axis_pass
@@ -94,6 +95,8 @@ PASSES = [
          requires=(M.LOCAL_SHAPE,), provides=(M.LOCAL_VAL,)),
     Pass("recompute", recompute_pass, "each layer keeps only its input and runs again in backward "
          "(plan.md: Activation recompute); before fuse, whose kernels stay within a layer", provides=(M.RECOMPUTE,)),
+    Pass("selective_recompute", selective_recompute_pass, "recompute='selective': each attention's core (scores, "
+         "softmax, dropout, times v) runs again in backward, the matmul outputs kept", provides=(M.RECOMPUTE,)),
     Pass("fuse", fuse_pass, "pointwise chains and row reductions as generated Triton kernels (plan.md: Fusion)",
          requires=(M.LOCAL_VAL,)),
 ]

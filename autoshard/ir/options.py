@@ -158,9 +158,10 @@ class CompileOptions:
         if self.mixed_precision not in (None, "bf16"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: the supported value is 'bf16' (fp32 "
                              "parameters and gradients, bf16 compute, fp32 loss reductions), or None")
-        if self.recompute not in (True, False, "auto"):
+        if self.recompute not in (True, False, "auto", "selective"):
             raise ValueError(f"recompute={self.recompute!r}: True (every layer keeps only its input and runs "
-                             "again in backward), False, or 'auto' (as the model's is_gradient_checkpointing)")
+                             "again in backward), 'selective' (each attention's core runs again), False, or "
+                             "'auto' (as the model's is_gradient_checkpointing)")
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise ValueError(f"loss_fn={self.loss_fn!r} is not callable: give loss_fn(output, target) -> scalar, "
                              "as torch.distributed.pipelining's schedules take")

@@ -46,7 +46,7 @@ class Candidate:
     b: int                    # microbatch size (sequences)
     m: int                    # microbatches per step on each dp replica
     v: int = 1                # virtual stages (chunks) per pipeline rank: 1 is plain 1F1B
-    recompute: str = "none"   # "none" or "full" (each layer's input kept; the layer runs again in backward)
+    recompute: str = "none"   # "none", "selective" (attention cores run again) or "full" (whole layers)
     zero: int = 0             # 1: the optimizer state sharded over dp (ZeRO-1)
 
     @property
@@ -114,7 +114,7 @@ class Prediction:
     @property
     def hardware_tflops_per_gpu(self) -> float:
         """TFLOP/s per GPU counting the recomputed forwards too (Megatron-LM's paper reports this one)."""
-        extra = self.model_flops / 3 * (1 if self.candidate.recompute == "full" else 0)
+        extra = self.model_flops / 3 * (1 if self.candidate.recompute == "full" else 0)   # selective: a few %, not counted
         return (self.model_flops + extra) / self.step_seconds / self.candidate.gpus / 1e12
 
 
@@ -144,14 +144,14 @@ def in_flight(p: int, m: int, v: int, rank: int = 0) -> int:
 def activation_bytes_per_layer(shape: ModelShape, b: int, t: int, recompute: str, flash: bool = True) -> float:
     """Bytes one layer saves for backward for one microbatch (Korthikanti et al. 2022, 16-bit
     activations): ``s b h (10 + 24/t + 5 a s / (h t))``, without the attention matrix's term when the
-    attention is flash (it keeps no s x s matrix), and only the layer's input (2 s b h) under full
-    recompute."""
+    attention is flash (it keeps no s x s matrix) or its core runs again (selective recompute), and only
+    the layer's input (2 s b h) under full recompute."""
     s, h, a = shape.seq, shape.hidden, shape.heads
     if recompute == "full":
         return 2.0 * s * b * h
     ffn_scale = shape.ffn * (3 if shape.gated else 2) / (8 * h)     # 1 for GPT's 4h two-matrix MLP
     per_token = 10 + 24 / t * (0.5 + 0.5 * ffn_scale)
-    if not flash:
+    if not flash and recompute != "selective":
         per_token += 5 * a * s / (h * t)
     return s * b * h * per_token
 
@@ -199,17 +199,19 @@ def _layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: fl
              + cluster.gemm_seconds(tokens, ffn_out / t, h)                      # MLP up (and gate)
              + cluster.gemm_seconds(tokens, h, shape.ffn / t))                   # MLP down
     heads = c.b * shape.heads / t
-    gemms += cluster.gemm_seconds(s, s, shape.head_dim, count=2 * heads)         # Q K^T and P V
+    core = cluster.gemm_seconds(s, s, shape.head_dim, count=2 * heads)          # Q K^T and P V
     # memory-bound ops: two norms, two dropout + residual adds on the whole stream; the activation on
     # the MLP's width and the attention's softmax (an s x s matrix per head unless flash keeps none)
     stream = BF16 * tokens * h * 14
     sharded = BF16 * tokens * (4 * ffn_out + 6 * h) / t
     softmax = 0 if flash else BF16 * 4 * c.b * shape.heads * s * s / t
-    forward = gemms + _pointwise(cluster, stream + sharded + softmax) + OPS_PER_LAYER * cluster.op_overhead
+    core += _pointwise(cluster, softmax)
+    forward = gemms + core + _pointwise(cluster, stream + sharded) + OPS_PER_LAYER * cluster.op_overhead
     link = cluster.link(t, 1)
     one = ring_all_reduce_seconds(BF16 * tokens * h, t, link)
     collectives = 4 * one + (2 * one if c.recompute == "full" else 0)
-    return forward, (forward if c.recompute == "full" else 0.0), collectives
+    again = {"full": forward, "selective": core}.get(c.recompute, 0.0)
+    return forward, again, collectives
 
 
 def _rank_params(shape: ModelShape, c: Candidate) -> float:

@@ -3,7 +3,7 @@
 The search is exhaustive over what is legal: t divides the heads (and the kv heads, or is a multiple of
 them), p at most the layers, d = N / (t p) dividing the global batch, b a power of two, m = B / (d b),
 v chunks per rank when each still holds a layer (and m a multiple of p, as Megatron's interleaved
-schedule needs), recompute none or full, ZeRO-1 or not. Each is priced by ``cost.predict`` in
+schedule needs), recompute none, selective (attention cores) or full (layers), ZeRO-1 or not. Each is priced by ``cost.predict`` in
 microseconds, so thousands of GPUs plan in seconds. A configuration that does not fit in memory is
 kept aside with the bytes it misses; the ranking says why each runner-up lost to the winner (the cost it
 pays most over it), and why each faster configuration was not chosen (memory).
@@ -63,7 +63,7 @@ class Plan:
 
     def parallelize_options(self) -> dict:
         """The keywords of ``parallelize`` this plan sets."""
-        out = {"recompute": True} if self.recompute == "full" else {}
+        out = {"recompute": {"full": True, "selective": "selective"}[self.recompute]} if self.recompute != "none" else {}
         if self.pp > 1 or self.m > 1:
             out.update(microbatches=self.m, schedule=self.schedule)
             if self.v > 1:
@@ -146,7 +146,7 @@ def candidates(shape: ModelShape, gpus: int, global_batch: int, max_b: int = 16,
                 for v in (1, 2, 3, 4, 6, 8):
                     if v > max_v or (v > 1 and (p == 1 or shape.layers < p * v or m % p)):
                         continue
-                    for recompute in ("none", "full"):
+                    for recompute in ("none", "selective", "full"):
                         for zero in ((0, 1) if d > 1 else (0,)):
                             out.append(Candidate(d, p, t, b, m, v, recompute, zero))
     return out

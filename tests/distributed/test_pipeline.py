@@ -24,6 +24,7 @@ TWO_RANKS = [
     ("gpt", dict(pp=2), dict(microbatches=2, schedule="1f1b"), dict(n_layer=5, tie_weights=False, fused_qkv=False)),
     ("gpt", dict(pp=2), dict(microbatches=2, pipeline_cuts=[1]), GPT),
     ("hf", dict(pp=2), dict(microbatches=2), {}),
+    ("hf", dict(pp=2), dict(microbatches=2, recompute="selective"), {}),   # each attention core again
     ("family", dict(pp=2), dict(microbatches=2, schedule="gpipe"), dict(family="llama", hidden=32, heads=4, kv_heads=2)),
     ("gpt", dict(tp=2), dict(microbatches=4), GPT),                     # pp = 1: gradient accumulation
 ]
@@ -43,7 +44,8 @@ DATA_PARALLEL = [   # (dp, pp, tp) on 4 ranks; each dp rank steps on its own row
     ("gpt", dict(dp=2, pp=2), dict(microbatches=2, accumulate=True), GPT),  # two pm.step per optimizer step
     ("gpt", dict(dp=2, pp=2), dict(microbatches=2, schedule="interleaved", virtual_stages=2, recompute=True),
      GPT),   # 2 bucket sets; every layer recomputed in backward
-    ("gpt", dict(dp=2, tp=2), dict(microbatches=2, zero=1, fused=True), dict(n_layer=2)),  # fused AdamW, ZeRO-1
+    ("gpt", dict(dp=2, tp=2), dict(microbatches=2, zero=1, fused=True, recompute="selective"),
+     dict(n_layer=2, flash=False)),  # fused AdamW, ZeRO-1, the attention cores recomputed
     ("family", dict(dp=2, tp=2), dict(microbatches=2, zero=1),   # ZeRO-1 on a q|k|v held in rank order
      dict(family="phi3", kv_heads=2, layers=2, hidden=64, heads=4, vocab=97)),
 ]
