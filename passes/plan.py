@@ -30,6 +30,7 @@ from autoshard.ir.placement import DistSpec, P, Partial, R, Replicate, Shard, sh
 from autoshard.ir.program import PlanReport
 from autoshard.ir.redistribute import volume
 from autoshard.passes.attention import attention_layouts, replicated_by_design
+from autoshard.passes.block_fold import fold_map
 from autoshard.passes.cost import collectives_time, flops, residual_stream_bytes, transition
 from autoshard.passes.hints import block_hints, inherit_hints, offer_blocked_outputs
 from autoshard.passes.rules import RuleContext, Strategy, shard_options, strategies_for
@@ -134,6 +135,8 @@ class Problem:
     const: float = 0.0
     n_integer: int = 0                    # the first n_integer columns are the binary x's
     unruled: list = field(default_factory=list)
+    fold: dict = field(default_factory=dict)     # node of a folded block -> its representative
+    edges: dict = field(default_factory=dict)    # (u, v, pos) folded -> its edge variables {(a, r): column}
 
     def add_row(self, entries, lb, ub):
         r = len(self.lo)
@@ -174,15 +177,22 @@ def build_problem(gm, ctx: RuleContext, cm: CostModel, pins: dict, rg: dict, rep
         raise PlanError(f"pinned parameter(s) {sorted(unknown_pins)} are not parameters of the model")
 
     fixed = {n for n, ss in strategies.items() if len(ss) == 1}
+    # identical middle blocks share their representative's variables (passes/block_fold.py)
+    fold = {n: r for n, r in fold_map(gm).items() if strategies.get(n) == strategies.get(r)}
     prob = Problem(strategies, fixed, {}, unruled=[f"`{n.name}` (`{n.target}`) in `{module_path(n)}`"
-                                                   for n in ctx.unruled])
+                                                   for n in ctx.unruled], fold=fold)
     for n, ss in strategies.items():
-        if n not in fixed:
+        if n not in fixed and n not in fold:
             for i, s in enumerate(ss):
                 prob.xidx[n, i] = prob.new_column(strategy_cost(n, s, ctx.t, cm))
+    for n, rep in fold.items():
+        if n not in fixed:
+            for i, s in enumerate(strategies[n]):
+                prob.xidx[n, i] = prob.xidx[rep, i]
+                prob.costs[prob.xidx[n, i]] += strategy_cost(n, s, ctx.t, cm)
     prob.n_integer = len(prob.costs)
     for n, ss in strategies.items():
-        if n not in fixed:
+        if n not in fixed and n not in fold:
             prob.add_row([(prob.xidx[n, i], 1.0) for i in range(len(ss))], 1.0, 1.0)
 
     fuse_uses = defaultdict(list)  # u -> [(v, j)]: strategies that use u replicated with a partial gradient
@@ -191,12 +201,17 @@ def build_problem(gm, ctx: RuleContext, cm: CostModel, pins: dict, rg: dict, rep
         for pos, u in enumerate(v.all_input_nodes):
             if u in strategies:
                 _add_edge(prob, ctx, cm, u, v, pos, rg.get(u, False), fuse_uses, stream)
+    zs = {}     # one z per representative: a folded block's f all-reduce prices the same z again
     for u, uses in fuse_uses.items():
         price = cm.latency + volume("all_reduce", nbytes(u), ctx.t) / cm.bandwidth if ctx.t > 1 else 0.0
         if any(v in fixed for v, _ in uses):
             prob.const += price
             continue
-        z = prob.new_column(price)
+        key = (fold.get(u, u), tuple(sorted((fold.get(v, v).name, j) for v, j in uses)))
+        if key in zs:
+            prob.costs[zs[key]] += price
+            continue
+        z = zs[key] = prob.new_column(price)
         for v, j in uses:
             prob.add_row([(prob.xidx[v, j], 1.0), (z, -1.0)], -np.inf, 0.0)
     return prob
@@ -230,9 +245,14 @@ def _add_edge(prob: Problem, ctx, cm, u, v, pos, grad, fuse_uses, stream_bytes=0
         for i, su in enumerate(sus):
             prob.costs[prob.xidx[u, i]] += price(su.out, svs[0].ins[pos])
     else:
+        key = (prob.fold.get(u, u), prob.fold.get(v, v), pos)
+        if key in prob.edges:      # an edge of a folded block: its costs go on the representative's edge
+            for (a, r), c in prob.edges[key].items():
+                prob.costs[c] += price(a, r)
+            return
         outs = sorted({s.out for s in sus}, key=repr)
         reqs = sorted({s.ins[pos] for s in svs}, key=repr)
-        yid = {(a, r): prob.new_column(price(a, r)) for a in outs for r in reqs}
+        yid = prob.edges[key] = {(a, r): prob.new_column(price(a, r)) for a in outs for r in reqs}
         prob.forbidden += [c for (a, r), c in yid.items() if is_list and a != r]
         for a in outs:
             prob.add_row([(yid[a, r], 1.0) for r in reqs]
