@@ -369,6 +369,11 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     eagerly; "auto" is the path measured fastest (README, "Code generation"). With "inductor" on CUDA,
     ``cuda_graphs=True`` replays each program's forward and backward as CUDA graphs.
 
+    ``sequence_parallel=True`` shards the residual stream along the sequence where the plan would
+    replicate it (Korthikanti et al.): the norms and residual adds run on 1/t of the tokens, the
+    row-parallel all-reduces become reduce-scatters and each column-parallel input an all-gather whose
+    backward reduce-scatters; a pipeline boundary is sent sequence-sharded (1/t of the bytes).
+
     ``check_finite=True`` (or ``AUTOSHARD_CHECK_FINITE=1``) raises on every rank, naming the step, when a
     training loss (and, in ``pm.step``, the gradient norm) is NaN or inf, as Megatron's
     ``check_for_nan_in_loss_and_grad`` does; off by default (it reads the loss back each step).

@@ -10,8 +10,9 @@ and the head cancel. The paper's formula counts 16-bit activations and 1-byte dr
 ``s b h (18 + 48/t + 9 a s / (h t))`` (replicated: two norm inputs, the q|k|v and MLP inputs 4+2+2 at 4
 bytes, two masks at 1; sharded: q, k, v, the attention output, the GeLU input and output; per head: the
 softmax and its dropout output at 4 bytes, the mask at 1). Selective drops the last term; full recompute
-keeps only the layer's input, 4 s b h. Step time (forward + backward) is reported against recompute
-off. Writes ``memory_results.md``.
+keeps only the layer's input, 4 s b h. With sequence parallelism (``sequence_parallel=True``) the
+replicated terms are sharded too: ``(s b h / t)(66 + 9 a s / h)``. Step time (forward + backward) is
+reported against TP alone. Writes ``memory_results.md``.
 """
 from __future__ import annotations
 
@@ -23,15 +24,18 @@ import time
 import torch
 
 OUT = os.path.join(os.path.dirname(__file__), "results")
-VARIANTS = {"TP": False, "TP + selective": "selective", "TP + full recompute": True}
+VARIANTS = {"TP": (False, False), "TP + selective": ("selective", False), "TP + full recompute": (True, False),
+            "TP + SP": (False, True), "TP + SP + selective": ("selective", True)}     # (recompute, sequence_parallel)
 
 
 def formula_fp32(s: int, b: int, h: int, a: int, t: int, variant: str) -> float:
     """The paper's bytes per layer with fp32 activations and 1-byte masks (see the module docstring)."""
     if variant == "TP + full recompute":
         return 4.0 * s * b * h
-    per_token = 18 + 48 / t + (0 if variant == "TP + selective" else 9 * a * s / (h * t))
-    return s * b * h * per_token
+    attention = 0 if "selective" in variant else 9 * a * s / (h * t)
+    if "SP" in variant:           # the paper's (sbh/t)(34 + 5as/h): every term sharded
+        return s * b * h * ((18 + 48) / t + attention)
+    return s * b * h * (18 + 48 / t + attention)
 
 
 def _saved_bytes(pm, x, y) -> tuple:
@@ -65,13 +69,14 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     x = torch.randint(0, args["vocab"], (b, s), generator=g)
     y = torch.randint(0, args["vocab"], (b, s), generator=g)
     out = {}
-    for variant, recompute in VARIANTS.items():
+    for variant, (recompute, sp) in VARIANTS.items():
         saved, times = {}, []
         for layers in (1, 2):
             torch.manual_seed(0)
             model = GPT(GPTConfig(block_size=s, vocab_size=args["vocab"], n_layer=layers, n_head=a, n_embd=h,
                                   dropout=0.1, flash=False, tie_weights=False)).train()
-            pm = autoshard.parallelize(model, mesh, (x, y), loss_only=True, recompute=recompute, loss_chunk_rows=None)
+            pm = autoshard.parallelize(model, mesh, (x, y), loss_only=True, recompute=recompute, loss_chunk_rows=None,
+                                       sequence_parallel=sp)
             saved[layers], _ = _saved_bytes(pm, x, y)
             if layers == 2:
                 for _ in range(args["reps"]):

@@ -48,10 +48,9 @@ def collectives_time(steps, nbytes, t, cm: CostModel, stream_bytes: int = 0):
     return time
 
 
-def residual_stream_bytes(gm) -> int:
-    """Bytes of the residual stream: the largest token embedding, an ``aten.embedding`` indexed by an
-    integer user input (``input_ids``, through views), else the largest floating user input (a model
-    called with ``inputs_embeds``); 0 when there is neither (every replica is then priced as memory). A
+def _stream_candidates(gm) -> tuple:
+    """``(token embeddings, floating user inputs)``: the nodes the residual stream may start from. A token
+    embedding is an ``aten.embedding`` indexed by an integer user input (``input_ids``, through views); a
     lookup indexed by a computed tensor (a position table's ``arange``, T5's bucketed relative positions)
     is not the stream: it has no batch dim, or a position-pair one."""
     aten = torch.ops.aten
@@ -62,18 +61,40 @@ def residual_stream_bytes(gm) -> int:
             n = n.args[0]
         return n.op == "placeholder" and M.KIND.get(n, None) == "input"
 
-    embeddings, inputs = [0], [0]
+    embeddings, inputs = [], []
     for n in gm.graph.nodes:
         v = n.meta.get("val")
         if not isinstance(v, torch.Tensor) or not v.is_floating_point():
             continue
-        size = v.numel() * v.element_size()
         if (n.op == "call_function" and getattr(n.target, "overloadpacket", None) is aten.embedding
                 and from_user_input(n.args[1])):
-            embeddings.append(size)
+            embeddings.append(n)
         elif n.op == "placeholder" and M.KIND.get(n, None) == "input":
-            inputs.append(size)
-    return max(embeddings) or max(inputs)
+            inputs.append(n)
+    return embeddings, inputs
+
+
+def _size(n) -> int:
+    v = n.meta["val"]
+    return v.numel() * v.element_size()
+
+
+def residual_stream_bytes(gm) -> int:
+    """Bytes of the residual stream: the largest token embedding, else the largest floating user input (a
+    model called with ``inputs_embeds``); 0 when there is neither (every replica is then priced as
+    memory)."""
+    embeddings, inputs = _stream_candidates(gm)
+    return max(map(_size, embeddings), default=0) or max(map(_size, inputs), default=0)
+
+
+def residual_stream_shape(gm) -> tuple | None:
+    """The global shape of the residual stream (``[b, s, h]``), from the same node; None without one."""
+    embeddings, inputs = _stream_candidates(gm)
+    pool = embeddings or inputs
+    if not pool:
+        return None
+    n = max(pool, key=_size)
+    return tuple(M.GLOBAL_SHAPE.get(n, None) or n.meta["val"].shape)
 
 
 def flops(node, shape_of):

@@ -31,7 +31,7 @@ from autoshard.ir.program import PlanReport
 from autoshard.ir.redistribute import volume
 from autoshard.passes.attention import attention_layouts, replicated_by_design
 from autoshard.passes.block_fold import fold_map
-from autoshard.passes.cost import collectives_time, flops, residual_stream_bytes, transition
+from autoshard.passes.cost import collectives_time, flops, residual_stream_bytes, residual_stream_shape, transition
 from autoshard.passes.hints import block_hints, inherit_hints, offer_blocked_outputs
 from autoshard.passes.rules import RuleContext, Strategy, shard_options, strategies_for
 from autoshard.passes.shapes import module_path, shape_of, val
@@ -160,7 +160,9 @@ class Solution:
     variables: int
 
 
-def build_problem(gm, ctx: RuleContext, cm: CostModel, pins: dict, rg: dict, replicated=frozenset()) -> Problem:
+def build_problem(gm, ctx: RuleContext, cm: CostModel, pins: dict, rg: dict, replicated=frozenset(),
+                  outs: dict | None = None) -> Problem:
+    """``outs``: nodes whose output placement is decided already (sequence parallelism's stream)."""
     strategies = {}
     for n in gm.graph.nodes:
         if n.op == "placeholder":
@@ -172,6 +174,8 @@ def build_problem(gm, ctx: RuleContext, cm: CostModel, pins: dict, rg: dict, rep
             offer_blocked_outputs(n, strategies[n], ctx)
         elif n.op == "output":
             strategies[n] = [Strategy(R, tuple(R for _ in n.all_input_nodes))]
+    for n, want in (outs or {}).items():
+        strategies[n] = [s for s in strategies[n] if s.out == want] or strategies[n]
     unknown_pins = set(pins) - {M.NAME.get(n, None) for n in gm.graph.nodes}
     if unknown_pins:
         raise PlanError(f"pinned parameter(s) {sorted(unknown_pins)} are not parameters of the model")
@@ -301,6 +305,24 @@ def apply_solution(gm, sol: Solution, ctx: RuleContext, rg: dict, unruled: list,
     return report
 
 
+def sequence_shards(gm, choice: dict, strategies: dict, t: int) -> dict:
+    """Sequence parallelism (Korthikanti et al.): where the plan replicates the residual stream (the norms,
+    dropouts and residual adds between a row-parallel output and the next column-parallel input, every
+    rank computing the same ``[b, s, h]``), shard it along the sequence instead. The ILP is solved again
+    with those nodes' outputs fixed to ``Shard(1)``: the row-parallel outputs' all-reduces become
+    reduce-scatters, the column-parallel inputs gather the sequence back, and a norm weight's gradient,
+    partial on each rank, is summed over tp by the same rule as any replicated tensor feeding a sharded
+    op."""
+    stream = residual_stream_shape(gm)
+    out = {}
+    for n, s in choice.items():
+        if (n.op == "call_function" and isinstance(s.out, Replicate) and stream is not None
+                and tuple(shape_of(n) or ()) == stream and stream[1] % t == 0):
+            if any(o.out == Shard(1) for o in strategies[n]):
+                out[n] = Shard(1)
+    return out
+
+
 def plan_pass(gm, ctx):
     """Placements for every node on the tp axis, from the op rules and the ILP (``ctx``: the pass context)."""
     rctx = RuleContext(ctx.mesh, "tp", hints=block_hints(gm, ctx.mesh.tp))
@@ -309,6 +331,10 @@ def plan_pass(gm, ctx):
     replicated = replicated_by_design(layouts, rctx.t)
     prob = build_problem(gm, rctx, ctx.options.cost_model, ctx.options.pins, rg, replicated)
     sol = solve(prob, f"tp={rctx.t}")
+    if ctx.options.sequence_parallel and rctx.t > 1:
+        stream = sequence_shards(gm, sol.choice, prob.strategies, rctx.t)
+        prob = build_problem(gm, rctx, ctx.options.cost_model, ctx.options.pins, rg, replicated, outs=stream)
+        sol = solve(prob, f"tp={rctx.t}, sequence parallel")
     report = apply_solution(gm, sol, rctx, rg, prob.unruled, replicated)
     report.attention = [lay.describe(rctx.t) for lay in layouts]
     gm.meta[M.PLAN_REPORT] = report

@@ -49,9 +49,16 @@ def _vocab_range(n, t, rank):
     return start, stop - start
 
 
+def _gathers_evenly(src, shape, t: int) -> bool:
+    """A shard one all-gather makes whole: one dim, no blocks, no padding."""
+    return (isinstance(src, Shard) and src.blocks == 1 and not src.unequal and shape is not None
+            and shape[src.dim] % t == 0)
+
+
 def tp_rewrite_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     """A new, local graph for this rank (``ctx.mesh`` and ``ctx.coords`` say which); ``gm`` is untouched."""
     t, rank = ctx.mesh.tp, ctx.coords["tp"]
+    sequence_parallel = getattr(ctx.options, "sequence_parallel", False)
     root = torch.nn.Module()
     g = fx.Graph()
     env, cache, counter = {}, {}, {}
@@ -81,6 +88,15 @@ def tp_rewrite_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         return node
 
     def with_f(u):
+        src = M.SPEC.get(u).tp
+        if sequence_parallel and _gathers_evenly(src, shape_of(u), t):   # all-gather + f = one gather, RS backward
+            if (u, "f") not in cache:
+                name = add_module("sequence_gather", ops.SequenceGather("tp", t, shape_of(u), src.dim))
+                node = g.call_module(name, (env[u],))
+                node.meta["val"] = _local_val(u, Replicate(), t)
+                _annotate(node, M.SPEC.get(u).with_axis("tp", Replicate()), shape_of(u), t, True, source=u.name)
+                cache[u, "f"] = node
+            return cache[u, "f"]
         if (u, "f") not in cache:
             name = add_module("f", ops.CopyToParallel("tp", t, shape_of(u)))
             node = g.call_module(name, (in_placement(u, Replicate()),))

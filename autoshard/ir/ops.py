@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from autoshard.ir.placement import Placement, local_shape
 from autoshard.ir.redistribute import (copy_to_parallel_steps, plan_redistribute, redistribute_steps,
-                                       vocab_parallel_cross_entropy_steps, vocab_parallel_logsumexp_steps)
+                                       sequence_gather_steps, vocab_parallel_cross_entropy_steps,
+                                       vocab_parallel_logsumexp_steps)
 
 
 class NotBoundError(RuntimeError):
@@ -80,6 +81,27 @@ class CopyToParallel(ParallelOp):
 
     def extra_repr(self):
         return f"f on {self.axis}: all-reduce of the gradient, global shape {self.shape}"
+
+
+class SequenceGather(ParallelOp):
+    """Sequence parallelism's gather into a tensor-parallel region (Megatron's
+    ``gather_from_sequence_parallel_region`` with a partial output gradient): all-gather along ``dim``
+    forward; backward, reduce-scatter of the partial gradient. It takes the place of an all-gather
+    followed by f, whose backward would all-reduce the gradient and then keep a chunk of it: twice the
+    bytes for the same result."""
+
+    def __init__(self, axis, size, shape, dim: int):
+        super().__init__(axis, size)
+        self.shape, self.dim = tuple(shape), dim
+
+    def meta_forward(self, x):
+        return x.new_empty(self.shape)
+
+    def steps(self):
+        return sequence_gather_steps(self.axis, self.shape)
+
+    def extra_repr(self):
+        return f"sequence gather on {self.axis} along dim {self.dim} (reduce-scatter backward), global shape {self.shape}"
 
 
 class ColumnParallelMatmul(ParallelOp):

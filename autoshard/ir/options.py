@@ -150,6 +150,7 @@ class CompileOptions:
     loss_fn: object = None                            # loss_fn(model output, target): compiled in (torch pipelining's)
     codegen: str = "auto"                             # "autoshard" (eager ops + fuse's kernels), "inductor", "auto"
     cuda_graphs: bool = False                         # replay each program as CUDA graphs (codegen="inductor", CUDA)
+    sequence_parallel: bool = False                   # the replicated residual stream sharded along the sequence
     check_finite: bool | None = None                  # raise on a NaN/inf loss or gradient norm (None: AUTOSHARD_CHECK_FINITE)
 
     def __post_init__(self):

@@ -110,6 +110,12 @@ def redistribute_steps(transforms, requires_grad: bool, shape, what: str, size: 
     return steps
 
 
+def sequence_gather_steps(axis: str, shape) -> list:
+    """Sequence parallelism's gather: all-gather forward, reduce-scatter of the partial gradient backward."""
+    return [CommStep(FWD, "all_gather", axis, tuple(shape), "sequence-parallel gather"),
+            CommStep(BWD, "reduce_scatter", axis, tuple(shape), "sequence-parallel gather (partial gradient)")]
+
+
 def copy_to_parallel_steps(axis: str, shape) -> list:
     """Megatron's f: identity forward, all-reduce of the (partial) gradient backward."""
     return [CommStep(BWD, "all_reduce", axis, tuple(shape), "f (gradient of a replicated input)")]

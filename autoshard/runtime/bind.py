@@ -29,6 +29,10 @@ def _copy_to_parallel(op, comm, x):
     return C.CopyToParallel.apply(x, comm)
 
 
+def _sequence_gather(op, comm, x):
+    return C.SequenceGather.apply(x, comm, op.dim)
+
+
 def _column_parallel_matmul(op, comm, x, weight, bias=None):
     return C.ColumnParallelMatmul.apply(x, weight, bias, comm, op.transposed)
 
@@ -56,6 +60,7 @@ def _vocab_parallel_logsumexp(op, comm, x):
 IMPLEMENTATIONS = {
     ops.Redistribute: _redistribute,
     ops.CopyToParallel: _copy_to_parallel,
+    ops.SequenceGather: _sequence_gather,
     ops.ColumnParallelMatmul: _column_parallel_matmul,
     ops.VocabParallelEmbedding: _vocab_parallel_embedding,
     ops.VocabParallelCrossEntropy: _vocab_parallel_cross_entropy,

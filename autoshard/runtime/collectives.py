@@ -88,6 +88,20 @@ class ReduceScatterToParallel(torch.autograd.Function):
         return comm.all_gather(g, dim, "bwd"), None, None
 
 
+class SequenceGather(torch.autograd.Function):
+    """Shard -> Replicate into ops that make the gradient partial: all-gather forward; reduce-scatter of
+    the partial gradient backward (what an all-gather, then f's all-reduce, then the chunk would give)."""
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.args = (comm, dim)
+        return comm.all_gather(x.contiguous(), dim, "fwd")
+
+    @staticmethod
+    def backward(ctx, g):
+        comm, dim = ctx.args
+        return comm.reduce_scatter(g.contiguous(), dim, "bwd"), None, None
+
+
 class ToPartial(torch.autograd.Function):
     """Replicate -> Partial: rank 0 keeps the value, the others hold zeros; identity backward."""
     @staticmethod

@@ -33,6 +33,7 @@ FOUR_RANKS = [
     ("gpt", dict(pp=4), dict(microbatches=4, schedule="1f1b"), dict(n_layer=4, tie_weights=False)),
     ("gpt", dict(pp=2, tp=2), dict(microbatches=2, schedule="1f1b", clip=0.05, recompute=True), GPT),
     ("hf", dict(pp=2, tp=2), dict(microbatches=2, schedule="interleaved", virtual_stages=2), {}),
+    ("gpt", dict(pp=2, tp=2), dict(microbatches=2, sequence_parallel=True), GPT),   # sequence-sharded boundary
 ]
 
 
@@ -46,6 +47,7 @@ DATA_PARALLEL = [   # (dp, pp, tp) on 4 ranks; each dp rank steps on its own row
      GPT),   # 2 bucket sets; every layer recomputed in backward
     ("gpt", dict(dp=2, tp=2), dict(microbatches=2, zero=1, fused=True, recompute="selective"),
      dict(n_layer=2, flash=False)),  # fused AdamW, ZeRO-1, the attention cores recomputed
+    ("gpt", dict(dp=2, tp=2), dict(microbatches=2, zero=1, sequence_parallel=True), dict(n_layer=2)),
     ("family", dict(dp=2, tp=2), dict(microbatches=2, zero=1),   # ZeRO-1 on a q|k|v held in rank order
      dict(family="phi3", kv_heads=2, layers=2, hidden=64, heads=4, vocab=97)),
 ]

@@ -1,0 +1,64 @@
+"""Sequence parallelism (``parallelize(sequence_parallel=True)``): where the plan replicates the residual
+stream, it is sharded along the sequence (``passes/plan.py:sequence_shards``); the row-parallel
+all-reduces become reduce-scatters, each column-parallel input is one ``SequenceGather`` (all-gather
+forward, reduce-scatter backward), and the norms' weight gradients are summed over tp. Exact against the
+single-device model; the pipeline and dp runs are in ``tests/distributed/test_pipeline.py``."""
+import copy
+
+import pytest
+import torch
+import transformers as T
+
+import autoshard
+from autoshard.ir.program import comm_summary
+from tests.harness.models import batch, build
+from tests.harness.parity_checks import rel
+from tests.harness.simulate import simulate
+
+
+def _ring_bytes(prog) -> float:
+    """Bytes each rank sends per step by the ring formulas (all-reduce twice an all-gather's)."""
+    _, nbytes = comm_summary(prog.collectives)
+    return sum(b * (2 if kind == "all_reduce" else 1) for (_, _, kind), b in nbytes.items())
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_gpt_is_exact_and_moves_the_same_bytes(t):
+    model = build("gpt", vocab_size=96, n_layer=2, dropout=0.0)
+    args, kwargs = batch("gpt", 96, B=2, T=16)
+    plain = autoshard.compile_rank(model, {"tp": t}, 0, args, kwargs, options=autoshard.CompileOptions(loss_only=True))
+    sp = autoshard.compile_rank(model, {"tp": t}, 0, args, kwargs,
+                                options=autoshard.CompileOptions(loss_only=True, sequence_parallel=True))
+    calls, _ = comm_summary(sp.collectives)
+    assert calls[("tp", "fwd", "reduce_scatter")] == calls[("tp", "fwd", "all_gather")] > 0
+    assert calls[("tp", "bwd", "reduce_scatter")] == calls[("tp", "bwd", "all_gather")] > 0
+    assert _ring_bytes(sp) <= 1.1 * _ring_bytes(plain)           # RS + AG of the stream = one AR, as Megatron
+    ref = copy.deepcopy(model)
+    want = ref(*args)[1]
+    want.backward()
+    for rank, (out, grads, _) in enumerate(simulate(model, t, args, kwargs, loss_fn=lambda o: o[1],
+                                                    sequence_parallel=True, loss_only=True)):
+        assert rel(out[1].detach(), want.detach()) <= 1e-5
+        for n, p in ref.named_parameters():
+            assert rel(grads[n], p.grad) <= 1e-5, (rank, n)
+
+
+def test_llama_with_rotary_is_exact():
+    cfg = T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(input_ids=ids, labels=ids.clone(), attention_mask=torch.ones_like(ids), use_cache=False)
+    ref = copy.deepcopy(model)
+    want = ref(**kwargs).loss
+    want.backward()
+    prog = autoshard.compile_rank(model, {"tp": 2}, 0, (), kwargs,
+                                  options=autoshard.CompileOptions(loss_only=True, sequence_parallel=True))
+    assert comm_summary(prog.collectives)[0][("tp", "fwd", "reduce_scatter")] > 0
+    for rank, (out, grads, _) in enumerate(simulate(model, 2, (), kwargs, loss_fn=lambda o: o.loss,
+                                                    sequence_parallel=True, loss_only=True)):
+        assert rel(out.loss.detach(), want.detach()) <= 1e-5
+        for n, p in ref.named_parameters():
+            if p.grad is not None:
+                assert rel(grads[n], p.grad) <= 1e-5, (rank, n)
