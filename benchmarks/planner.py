@@ -37,6 +37,8 @@ class Published:
     recompute: str         # what the run did
     source: str
     flash: bool = False    # 2021-22 runs kept the attention matrix (no FlashAttention)
+    sp: bool = False       # sequence parallelism (Megatron's, since 2022; assumed for the Llama 3 runs, whose
+                           # paper lists TP, CP, PP and FSDP-style DP: 8K-token activations need it to fit)
 
 
 SC21 = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, "
@@ -61,11 +63,11 @@ ROWS = [Published(f"SC'21 {n}", BUILTIN[n], DGX_A100, g, B, t, p, tf, "hardware"
                                                   gated=True, tied=False),
               DGX_H100, 8192, 2048, 8, 16, 430, "model", "none",
               "Llama Team, The Llama 3 Herd of Models (arXiv 2407.21783), Table 4: 8,192 H100, TP=8, CP=1, PP=16, "
-              "DP=64, 16M tokens a batch, 430 TFLOP/s per GPU (43% BF16 MFU)", flash=True),
+              "DP=64, 16M tokens a batch, 430 TFLOP/s per GPU (43% BF16 MFU)", flash=True, sp=True),
     Published("Llama 3 405B (16K GPUs)", ModelShape("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192,
                                                    gated=True, tied=False),
               DGX_H100, 16384, 2048, 8, 16, 400, "model", "none",
-              "as above: 16,384 H100, DP=128, 400 TFLOP/s per GPU (41% MFU)", flash=True),
+              "as above: 16,384 H100, DP=128, 400 TFLOP/s per GPU (41% MFU)", flash=True, sp=True),
 ]
 
 
@@ -79,7 +81,7 @@ def theirs(row: Published):
     d = row.gpus // (row.tp * row.pp)
     limit = row.cluster.hbm_bytes * row.cluster.usable_memory
     preds = [predict(row.shape, row.cluster, c, row.flash) for c in candidates(row.shape, row.gpus, row.global_batch)
-             if (c.tp, c.pp, c.dp, c.recompute) == (row.tp, row.pp, d, row.recompute)]
+             if (c.tp, c.pp, c.dp, c.recompute) == (row.tp, row.pp, d, row.recompute) and c.sp == row.sp]
     fitting = [q for q in preds if q.memory.total <= limit]
     return min(fitting or preds, key=lambda q: q.step_seconds) if preds else None, bool(fitting)
 

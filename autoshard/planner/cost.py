@@ -48,6 +48,7 @@ class Candidate:
     v: int = 1                # virtual stages (chunks) per pipeline rank: 1 is plain 1F1B
     recompute: str = "none"   # "none", "selective" (attention cores run again) or "full" (whole layers)
     zero: int = 0             # 1: the optimizer state sharded over dp (ZeRO-1)
+    sp: bool = False          # sequence parallelism: the stream sharded along the sequence over tp
 
     @property
     def gpus(self) -> int:
@@ -141,16 +142,18 @@ def in_flight(p: int, m: int, v: int, rank: int = 0) -> int:
     return min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1)
 
 
-def activation_bytes_per_layer(shape: ModelShape, b: int, t: int, recompute: str, flash: bool = True) -> float:
+def activation_bytes_per_layer(shape: ModelShape, b: int, t: int, recompute: str, flash: bool = True,
+                               sp: bool = False) -> float:
     """Bytes one layer saves for backward for one microbatch (Korthikanti et al. 2022, 16-bit
     activations): ``s b h (10 + 24/t + 5 a s / (h t))``, without the attention matrix's term when the
     attention is flash (it keeps no s x s matrix) or its core runs again (selective recompute), and only
-    the layer's input (2 s b h) under full recompute."""
+    the layer's input (2 s b h) under full recompute. Sequence parallelism shards the replicated 10 too:
+    ``(s b h / t)(34 + 5 a s / h)``."""
     s, h, a = shape.seq, shape.hidden, shape.heads
     if recompute == "full":
-        return 2.0 * s * b * h
+        return 2.0 * s * b * h / (t if sp else 1)
     ffn_scale = shape.ffn * (3 if shape.gated else 2) / (8 * h)     # 1 for GPT's 4h two-matrix MLP
-    per_token = 10 + 24 / t * (0.5 + 0.5 * ffn_scale)
+    per_token = 10 / (t if sp else 1) + 24 / t * (0.5 + 0.5 * ffn_scale)
     if not flash and recompute != "selective":
         per_token += 5 * a * s / (h * t)
     return s * b * h * per_token
@@ -177,7 +180,7 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     p2p = 0.0
     if p > 1:
         link = cluster.link(p, t * d)
-        send = BF16 * tokens * h / link.bandwidth + link.latency
+        send = BF16 * tokens * h / (t if c.sp else 1) / link.bandwidth + link.latency   # SP: a sequence shard
         p2p = 2 * send * (m * v + p - 1)
     dp_comm, optimizer = _data_parallel(shape, cluster, c, round_time / v)
     breakdown = Breakdown(compute, m * recompute, m * tp, bubble, p2p, dp_comm, optimizer)
@@ -245,11 +248,11 @@ def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, last_backw
 def _memory(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool) -> Memory:
     params = _rank_params(shape, c)
     optimizer = params * 3 * FP32 / (c.dp if c.zero else 1)
-    per_layer = activation_bytes_per_layer(shape, c.b, c.tp, c.recompute, flash)
+    per_layer = activation_bytes_per_layer(shape, c.b, c.tp, c.recompute, flash, c.sp)
     chunk_layers = shape.layers / (c.pp * c.v)
     held = in_flight(c.pp, c.m, c.v) * chunk_layers * per_layer
     if c.recompute == "full":     # one layer's whole activations while it is recomputed
-        held += activation_bytes_per_layer(shape, c.b, c.tp, "none", flash)
+        held += activation_bytes_per_layer(shape, c.b, c.tp, "none", flash, c.sp)
     tokens = c.b * shape.seq
     logits = 2 * FP32 * tokens * shape.vocab / c.tp     # the last stage's fp32 logits and their gradient
     first = held + (logits if c.pp == 1 else 0)

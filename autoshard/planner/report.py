@@ -13,20 +13,20 @@ from autoshard.planner.search import GiB, Plan, Plans
 
 def table(plans: Plans) -> str:
     """The ranked plans as a markdown table (the winner first), then the faster ones that do not fit."""
-    rows = ["| # | dp | pp | tp | b | m | v | recompute | ZeRO | step s | TFLOP/s/GPU | GiB/GPU | why |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| # | dp | pp | tp | SP | b | m | v | recompute | ZeRO | step s | TFLOP/s/GPU | GiB/GPU | why |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, p in enumerate(plans.ranked, 1):
         rows.append(_row(str(i), p))
     if plans.too_big:
         rows += ["", "Faster, but out of memory:", "",
-                 "| | dp | pp | tp | b | m | v | recompute | ZeRO | step s | TFLOP/s/GPU | GiB/GPU | why |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "| | dp | pp | tp | SP | b | m | v | recompute | ZeRO | step s | TFLOP/s/GPU | GiB/GPU | why |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         rows += [_row("-", p) for p in plans.too_big]
     return "\n".join(rows)
 
 
 def _row(rank: str, p: Plan) -> str:
-    return (f"| {rank} | {p.dp} | {p.pp} | {p.tp} | {p.b} | {p.m} | {p.v} | {p.recompute} | {p.zero} | "
+    return (f"| {rank} | {p.dp} | {p.pp} | {p.tp} | {'yes' if p.sp else 'no'} | {p.b} | {p.m} | {p.v} | {p.recompute} | {p.zero} | "
             f"{p.step_seconds:.3f} | {p.tflops_per_gpu:.1f} | {p.memory_bytes / GiB:.1f} | {p.why} |")
 
 
@@ -66,7 +66,7 @@ def plot_svg(plans: Plans, width: int = 900, height: int = 420) -> str:
     in red, out-of-memory ones hollow."""
     fastest = {}          # one point per (tp, pp, v, recompute, fits): its fastest b and ZeRO setting
     for p in plans.priced:
-        key = (p.tp, p.pp, p.v, p.recompute, p.fits)
+        key = (p.tp, p.pp, p.v, p.recompute, p.sp, p.fits)
         if key not in fastest or p.step_seconds < fastest[key].step_seconds:
             fastest[key] = p
     points = list(fastest.values()) + list(plans.ranked[:1])

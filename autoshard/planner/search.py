@@ -41,6 +41,7 @@ class Plan:
     schedule: str
     recompute: str
     zero: int
+    sp: bool
     prediction: Prediction
     fits: bool
     why: str = ""
@@ -70,11 +71,13 @@ class Plan:
                 out["virtual_stages"] = self.v
         if self.zero:
             out["zero"] = self.zero
+        if self.sp:
+            out["sequence_parallel"] = True
         return out
 
     def label(self) -> str:
         return (f"dp={self.dp} pp={self.pp} tp={self.tp} b={self.b} m={self.m} v={self.v} "
-                f"recompute={self.recompute} zero={self.zero}")
+                f"recompute={self.recompute} zero={self.zero}" + (" sp" if self.sp else ""))
 
 
 @dataclass
@@ -148,7 +151,8 @@ def candidates(shape: ModelShape, gpus: int, global_batch: int, max_b: int = 16,
                         continue
                     for recompute in ("none", "selective", "full"):
                         for zero in ((0, 1) if d > 1 else (0,)):
-                            out.append(Candidate(d, p, t, b, m, v, recompute, zero))
+                            for sp in ((False, True) if t > 1 and shape.seq % t == 0 else (False,)):
+                                out.append(Candidate(d, p, t, b, m, v, recompute, zero, sp))
     return out
 
 
@@ -190,7 +194,7 @@ def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int
 
 def _plan(q: Prediction, fits: bool, why: str) -> Plan:
     c = q.candidate
-    return Plan(c.dp, c.pp, c.tp, c.b, c.m, c.v, c.schedule, c.recompute, c.zero, q, fits, why)
+    return Plan(c.dp, c.pp, c.tp, c.b, c.m, c.v, c.schedule, c.recompute, c.zero, c.sp, q, fits, why)
 
 
 def _bound(q: Prediction) -> str:
@@ -210,11 +214,11 @@ def _why(q: Prediction, winner: Prediction, limit: float) -> str:
 
 
 def _distinct(preds: list) -> list:
-    """One per (dp, pp, tp, v, recompute): the fastest microbatch size and ZeRO setting of each."""
+    """One per (dp, pp, tp, v, recompute, sp): the fastest microbatch size and ZeRO setting of each."""
     seen, out = set(), []
     for q in preds:
         c = q.candidate
-        key = (c.dp, c.pp, c.tp, c.v, c.recompute)
+        key = (c.dp, c.pp, c.tp, c.v, c.recompute, c.sp)
         if key not in seen:
             seen.add(key)
             out.append(q)
