@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autoshard.ir import meta as M
-from autoshard.ir.options import CompileOptions, PipelineOptions, dump_dir, options_from_keywords
+from autoshard.ir.options import PIPELINE_KEYWORDS, CompileOptions, PipelineOptions, dump_dir, options_from_keywords
 from autoshard.ir.pipeline import LOSS_REWRITE, STAGE_PLAN, PipelineProgram
 from autoshard.ir.program import Captured, Program
 from autoshard.ir.schedule import add_communication, make_schedule, validate
@@ -382,7 +382,12 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     model that returns logits: pass ``{"target": y}`` in ``example_kwargs`` and ``pm.step(x, target=y)``.
     """
     spec = mesh_spec(mesh)
-    if plan is not None:
+    if plan is not None and options is not None:    # the plan's settings over the options given whole
+        planned = _planned(plan, spec, example_args, example_kwargs, {})
+        pipe = {PIPELINE_KEYWORDS[k]: v for k, v in planned.items() if k in PIPELINE_KEYWORDS}
+        options = dataclasses.replace(options, **{k: v for k, v in planned.items() if k not in PIPELINE_KEYWORDS},
+                                      pipeline=dataclasses.replace(options.pipeline or PipelineOptions(), **pipe))
+    elif plan is not None:
         keywords = _planned(plan, spec, example_args, example_kwargs, keywords)
     options = _options(options, keywords, "parallelize") or compile_options()
     real_mesh = hasattr(mesh, "get_group")

@@ -333,6 +333,7 @@ def plan_pass(gm, ctx):
     sol = solve(prob, f"tp={rctx.t}")
     if ctx.options.sequence_parallel and rctx.t > 1:
         stream = sequence_shards(gm, sol.choice, prob.strategies, rctx.t)
+        rctx.unruled.clear()          # the second build lists them again
         prob = build_problem(gm, rctx, ctx.options.cost_model, ctx.options.pins, rg, replicated, outs=stream)
         sol = solve(prob, f"tp={rctx.t}, sequence parallel")
     report = apply_solution(gm, sol, rctx, rg, prob.unruled, replicated)

@@ -99,9 +99,12 @@ class Cluster:
             link = Link(bandwidth=hbm_bw, latency=1e-6)
         if not cuda:
             hbm = hbm / world            # the ranks of one host share its memory
-        return Cluster(name, gpus_per_node=world, peak_flops=peak, hbm_bytes=float(hbm), hbm_bandwidth=hbm_bw,
-                       intra=link, inter=link, gemm_max_efficiency=top, gemm_half_dim=half, op_overhead=overhead,
-                       source=f"measured on {device.type} ({dtype}), {world} rank(s), {time.strftime('%Y-%m-%d')}")
+        measured = [Cluster(name, gpus_per_node=world, peak_flops=peak, hbm_bytes=float(hbm), hbm_bandwidth=hbm_bw,
+                            intra=link, inter=link, gemm_max_efficiency=top, gemm_half_dim=half, op_overhead=overhead,
+                            source=f"measured on {device.type} ({dtype}), {world} rank(s), {time.strftime('%Y-%m-%d')}")]
+        if world > 1:      # one cluster for every rank (rank 0's numbers), so every rank plans the same mesh
+            dist.broadcast_object_list(measured, src=0)
+        return measured[0]
 
 
 def _sync(device):

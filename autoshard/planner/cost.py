@@ -1,9 +1,10 @@
 """The step time and memory of one configuration, from the model's sizes and the cluster's numbers.
 
 A configuration is Megatron-LM's (SC'21) tuple: tensor size t, pipeline size p, data-parallel size d,
-microbatch size b, microbatches per step m, virtual stages v, recompute and ZeRO. Ranks are laid out
-with t varying fastest, then d, then p (Megatron's and ``init_mesh``'s order), so a tp group of at most
-a node's GPUs stays on NVLink, and dp and pp groups cross nodes once t x d outgrows a node. No rule of
+microbatch size b, microbatches per step m, virtual stages v, recompute and ZeRO. Ranks are laid out as
+``init_mesh`` builds its (dp, pp, tp) mesh: t varies fastest, then p, then d. A tp group of at most a
+node's GPUs stays on NVLink; a pp group (t ranks apart) crosses nodes once t x p outgrows a node, and a
+dp group (t x p ranks apart) as soon as the replicas do not share a node. No rule of
 the paper is written here: its takeaways come out of these costs (``tests/unit/test_planner.py``).
 
 Per microbatch of b sequences on one pipeline chunk (L / (p v) layers):
@@ -161,7 +162,7 @@ def activation_bytes_per_layer(shape: ModelShape, b: int, t: int, recompute: str
 
 def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = True) -> Prediction:
     """The step time and memory of ``c`` training ``shape`` on ``cluster``."""
-    t, p, d, b, m, v = c.tp, c.pp, c.dp, c.b, c.m, c.v
+    t, p, b, m, v = c.tp, c.pp, c.b, c.m, c.v
     s, h = shape.seq, shape.hidden
     tokens = b * s
     layers_per_rank = math.ceil(shape.layers / p)
@@ -179,7 +180,7 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     bubble = (p - 1) / v * round_time
     p2p = 0.0
     if p > 1:
-        link = cluster.link(p, t * d)
+        link = cluster.link(p, t)
         send = BF16 * tokens * h / (t if c.sp else 1) / link.bandwidth + link.latency   # SP: a sequence shard
         p2p = 2 * send * (m * v + p - 1)
     dp_comm, optimizer = _data_parallel(shape, cluster, c, round_time / v)
@@ -236,7 +237,7 @@ def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, last_backw
     host = tensors * OPS_PER_TENSOR * cluster.op_overhead
     if c.dp == 1:
         return 0.0, _pointwise(cluster, opt_bytes) + host
-    link = cluster.link(c.dp, c.tp)
+    link = cluster.link(c.dp, c.tp * c.pp)
     reduce = ring_all_reduce_seconds(FP32 * params, c.dp, link)
     exposed = max(0.0, reduce - 2.0 / 3.0 * last_backward_window)
     if c.zero:

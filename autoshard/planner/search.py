@@ -64,7 +64,7 @@ class Plan:
 
     def parallelize_options(self) -> dict:
         """The keywords of ``parallelize`` this plan sets."""
-        out = {"recompute": {"full": True, "selective": "selective"}[self.recompute]} if self.recompute != "none" else {}
+        out = {"recompute": {"none": False, "full": True, "selective": "selective"}[self.recompute]}
         if self.pp > 1 or self.m > 1:
             out.update(microbatches=self.m, schedule=self.schedule)
             if self.v > 1:

@@ -4,7 +4,8 @@ It keeps what is this rank's and lives as long as training does: the parameter s
 (``ShardedParameters``), the model's buffers (registered as ``b0``, ``b1``, ... the first time a program
 reads one), the state dicts under the model's own names, and the settings a loop may change
 (``bucket_bytes``, ``max_programs``, ``measure_memory``, ...). What runs is in the runners, which read
-all of that from here at every call:
+all of that from here (``bucket_bytes`` when a runner first builds its dp reducer, the rest at every
+call):
 
 - ``ForwardRunner`` (``forward_runner.py``): ``pm(...)``'s forward programs (pp = 1), a bounded cache
   of one per call shape and mode;
@@ -71,6 +72,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self._model_buffers = model_buffers(model, self._persistent)   # a buffer on meta rebuilt, as the model would
         self._buffer_names = []              # the model's buffers, registered as b0, b1, ... (names may hold "__")
         self._buffer_attr = {}               # buffer name -> its attribute (b0, b1, ...)
+        self._stages_fixed = False           # True once a pipeline rank's buffers are those of its stages
         # --- the pipeline around this rank (pp = 1: none) ----------------------------------------------
         pipelined = isinstance(program, PipelineProgram)
         self.peers = peers or [program.rank]
@@ -97,6 +99,9 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self._step_compiler = step_compiler
         self._forward = None if pipelined else ForwardRunner(self, program, compiler)
         self._first_runner = StepRunner(self, program) if pipelined else None
+        # a pipeline rank holds the buffers of its training stages: another program reading one it does not
+        # hold would read the model's initial value, not what was loaded since
+        self._stages_fixed = pipelined
         self._runners = ProgramCache(lambda: self.max_programs, "step program", on_drop=lambda r: r.close())
         self.runner = self._first_runner     # the runner of the last step (timelines read it)
         training.register_state_dict_names(self)
@@ -108,6 +113,10 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         if name not in self._buffer_attr:
             if name not in self._model_buffers:
                 return None
+            if self._stages_fixed:
+                raise RuntimeError(f"a program for other inputs or eval mode reads buffer '{name}', which this rank's "
+                                   "training stages do not hold: evaluate the single-device model on "
+                                   "pm.full_state_dict()")
             self._buffer_attr[name] = f"b{len(self._buffer_names)}"
             self.register_buffer(self._buffer_attr[name], owned(self._model_buffers[name], self.device),
                                  persistent=name in self._persistent)

@@ -120,6 +120,10 @@ def _copy_to_parallel(op, comm, x):
     return C.CopyToParallel.apply(x, FunctionalComm.of(comm))
 
 
+def _sequence_gather(op, comm, x):
+    return C.SequenceGather.apply(x, FunctionalComm.of(comm), op.dim)
+
+
 def _column_parallel_matmul(op, comm, x, weight, bias=None):
     """f, then the matmul: Inductor schedules the gradient's all-reduce against dW itself."""
     return F.linear(C.CopyToParallel.apply(x, FunctionalComm.of(comm)), weight.t() if op.transposed else weight, bias)
@@ -156,6 +160,7 @@ def _vocab_parallel_logsumexp(op, comm, x):
 OVERRIDES = {
     ops.Redistribute: _redistribute,
     ops.CopyToParallel: _copy_to_parallel,
+    ops.SequenceGather: _sequence_gather,
     ops.ColumnParallelMatmul: _column_parallel_matmul,
     ops.VocabParallelCrossEntropy: _vocab_parallel_cross_entropy,
     ops.VocabParallelLogsumexp: _vocab_parallel_logsumexp,

@@ -66,14 +66,14 @@ def test_the_composite_logsumexp_is_the_eager_one():
     assert rel(outs[0][0], outs[1][0]) < 1e-6 and rel(outs[0][1], outs[1][1]) < 1e-6   # both in fp32
 
 
-def _tp_parity(rank, world, kind):
+def _tp_parity(rank, world, kind, sequence_parallel=False):
     import torch._dynamo.utils as dynamo_utils
     vocab = 97 if kind == "gpt" else 101      # 97: padded vocab shards at tp=2
     model = build(kind, vocab_size=vocab)
     ref = copy.deepcopy(model)
     args, kwargs = batch(kind, vocab)
     pm = autoshard.parallelize(model, autoshard.init_mesh(tp=world), args, kwargs, loss_only=True,
-                               codegen="inductor")
+                               codegen="inductor", sequence_parallel=sequence_parallel)
     graph = pm.forward_graphs[0]
     loss = loss_and_logits(kind, pm(*args, **kwargs))[0]
     rloss = loss_and_logits(kind, ref(*args, **kwargs))[0]
@@ -89,9 +89,11 @@ def _tp_parity(rank, world, kind):
                 fusion=getattr(pm.program.gm.meta.get(M.FUSION_REPORT), "why", None))
 
 
-@pytest.mark.parametrize("kind", ["gpt", "hf"])
-def test_inductor_at_tp2_is_exact(kind):
-    for r in run_distributed(_tp_parity, 2, kind, timeout=600):
+@pytest.mark.parametrize("kind,sequence_parallel", [("gpt", False), ("hf", False), ("gpt", True)])
+def test_inductor_at_tp2_is_exact(kind, sequence_parallel):
+    """The last case: sequence parallelism's gather (all-gather forward, reduce-scatter backward) as
+    functional collectives too, so the program still compiles whole."""
+    for r in run_distributed(_tp_parity, 2, kind, sequence_parallel, timeout=600):
         assert r["compiled"] == "OptimizedModule"
         assert r["breaks"] == 0, "the program should compile as whole graphs"
         assert "codegen='inductor'" in r["fusion"]      # Inductor fuses: autoshard's own kernels stand aside

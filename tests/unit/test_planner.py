@@ -175,6 +175,9 @@ def test_a_plan_trains_exactly_like_the_model():
     grads = dict(ref.named_parameters())
     for name, p in pm.named_parameters():
         torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6)
+    whole = autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (idx, tgt), plan=best,
+                                  options=autoshard.CompileOptions(loss_only=True))   # the plan over options given whole
+    assert math.isclose(float(whole.step(idx, tgt).detach()), float(want.detach()), rel_tol=1e-5)
     with pytest.raises(ValueError, match="the plan is for dp=1 pp=1 tp=1, the mesh is dp=1 pp=1 tp=2"):
         autoshard.parallelize(copy.deepcopy(model), {"tp": 2}, (idx, tgt), plan=best)
     with pytest.raises(ValueError, match="the example batch has 4"):
@@ -193,3 +196,14 @@ def test_selective_recompute_sits_between_none_and_full():
     assert 0 < q["selective"].breakdown.recompute < 0.25 * q["full"].breakdown.recompute
     assert activation_bytes_per_layer(shape, 1, 8, "selective", flash=False) == pytest.approx(
         shape.seq * shape.hidden * (10 + 24 / 8))
+
+
+def test_links_follow_the_mesh_init_mesh_builds():
+    """``init_mesh`` lays ranks out as (dp, pp, tp), tp fastest: on 8-GPU nodes a pp group of tp=2 x pp=4
+    stays in a node (its sends on NVLink) while the dp replicas, 8 ranks apart, cross nodes."""
+    slow_ib = DGX_A100.with_(inter=Link(1e9, 10e-6))
+    shape = BUILTIN["gpt-7.5b"]
+    inside = predict(shape, slow_ib, Candidate(dp=2, pp=4, tp=2, b=1, m=8))
+    fast_pp = predict(shape, DGX_A100.with_(inter=Link(1e12, 0.0)), Candidate(dp=2, pp=4, tp=2, b=1, m=8))
+    assert inside.breakdown.p2p == pytest.approx(fast_pp.breakdown.p2p)        # NVLink either way
+    assert inside.breakdown.dp_comm > fast_pp.breakdown.dp_comm                # InfiniBand: the slow link
