@@ -35,6 +35,7 @@ BF16, FP32 = 2, 4
 OPS_PER_LAYER = 30        # ops a transformer layer's forward launches (norms, projections, attention, MLP, adds)
 OPS_HEAD = 12             # the LM head and the loss's
 TENSORS_PER_LAYER = 12    # parameter tensors of a layer (weights, biases, norms): the optimizer's ops go per tensor
+NORM_TENSORS = 4          # a layer's norm weights and biases: under SP each gradient is all-reduced over tp
 OPS_PER_TENSOR = 15       # a foreach AdamW's ops per parameter tensor (on a host that pays per op)
 
 
@@ -214,6 +215,8 @@ def _layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: fl
     link = cluster.link(t, 1)
     one = ring_all_reduce_seconds(BF16 * tokens * h, t, link)
     collectives = 4 * one + (2 * one if c.recompute == "full" else 0)
+    if c.sp:      # each norm's weight and bias gradient, partial on each rank, all-reduced on its own
+        collectives += NORM_TENSORS * ring_all_reduce_seconds(FP32 * h, t, link)
     again = {"full": forward, "selective": core}.get(c.recompute, 0.0)
     return forward, again, collectives
 
