@@ -88,18 +88,16 @@ def tp_rewrite_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         return node
 
     def with_f(u):
-        src = M.SPEC.get(u).tp
-        if sequence_parallel and _gathers_evenly(src, shape_of(u), t):   # all-gather + f = one gather, RS backward
-            if (u, "f") not in cache:
+        """u replicated for ops that make its gradient partial: f (all-reduce backward) on its replica, or,
+        under sequence parallelism, one gather of its even shard whose backward reduce-scatters."""
+        if (u, "f") not in cache:
+            src = M.SPEC.get(u).tp
+            if sequence_parallel and _gathers_evenly(src, shape_of(u), t):
                 name = add_module("sequence_gather", ops.SequenceGather("tp", t, shape_of(u), src.dim))
                 node = g.call_module(name, (env[u],))
-                node.meta["val"] = _local_val(u, Replicate(), t)
-                _annotate(node, M.SPEC.get(u).with_axis("tp", Replicate()), shape_of(u), t, True, source=u.name)
-                cache[u, "f"] = node
-            return cache[u, "f"]
-        if (u, "f") not in cache:
-            name = add_module("f", ops.CopyToParallel("tp", t, shape_of(u)))
-            node = g.call_module(name, (in_placement(u, Replicate()),))
+            else:
+                name = add_module("f", ops.CopyToParallel("tp", t, shape_of(u)))
+                node = g.call_module(name, (in_placement(u, Replicate()),))
             node.meta["val"] = _local_val(u, Replicate(), t)
             _annotate(node, M.SPEC.get(u).with_axis("tp", Replicate()), shape_of(u), t, True, source=u.name)
             cache[u, "f"] = node
