@@ -6,7 +6,8 @@ Four gloo ranks: ``Cluster.measure()`` (GEMMs, a copy, the op overhead and all-r
 ranks), then ``autoshard.plan`` for a small GPT with the measured cluster. For each mesh (dp, pp, tp) of
 (4,1,1), (2,2,1), (2,1,2), (1,2,2), (1,4,1), (1,1,4), the planner's best (b, m, v, recompute, ZeRO)
 for that mesh is trained with ``parallelize(..., plan=p)`` and AdamW, and its measured step (forward,
-backward and optimizer; the slowest rank's; median) is set against the prediction. Writes
+backward and optimizer; the slowest rank's; median; the lower of two rounds over the meshes, since the
+host is shared) is set against the prediction. Writes
 ``planner_e2e.md``.
 """
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     idx = torch.randint(0, cfg.vocab_size, (args["batch"], cfg.block_size))
     tgt = torch.randint(0, cfg.vocab_size, (args["batch"], cfg.block_size))
     out = {}
-    for mesh_dims, best in chosen.items():
+    for mesh_dims, best in [item for _ in range(args["rounds"]) for item in chosen.items()]:
         if best is None:
             out[mesh_dims] = None
             continue
@@ -56,7 +57,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         mesh = autoshard.init_mesh(plan=best)
         local = autoshard.local_batch(((idx, tgt), {}), mesh)[0]
         pm = autoshard.parallelize(model, mesh, local, loss_only=True, plan=best)
-        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=True)   # what torch picks on CUDA
         times = []
         for step in range(args["warmup"] + args["steps"]):
             dist.barrier()
@@ -68,7 +69,10 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             if step >= args["warmup"]:
                 times.append(float(took))
-        out[mesh_dims] = dict(plan=best.label(), predicted=best.step_seconds, measured=statistics.median(times),
+        measured = statistics.median(times)
+        if mesh_dims in out:       # an earlier round's: the less disturbed of the two (a shared, noisy host)
+            measured = min(measured, out[mesh_dims]["measured"])
+        out[mesh_dims] = dict(plan=best.label(), predicted=best.step_seconds, measured=measured,
                               breakdown={k: v for k, v in best.prediction.breakdown.items()})
         del pm, opt, model
     if rank == 0:
@@ -84,7 +88,8 @@ def markdown(result: dict, args: dict) -> str:
     lines = ["# The planner end to end on this machine (`python -m benchmarks.planner_e2e`)", "",
              f"GPT: {args['layers']} layers, hidden {args['hidden']}, 4 heads, vocab {args['vocab']}, seq {args['seq']}, "
              f"global batch {args['batch']}; 4 gloo ranks on this host, 1 thread each; {args['steps']} timed steps "
-             f"after {args['warmup']} (median of the slowest rank's), AdamW.", "",
+             f"after {args['warmup']} (median of the slowest rank's; the lower of {args['rounds']} rounds over the meshes "
+             "in turn), AdamW (foreach).", "",
              f"Measured cluster: GEMM peak {cluster.peak_flops / 1e9:.1f} GFLOP/s (efficiency {cluster.gemm_max_efficiency:.2f}, "
              f"half at {cluster.gemm_half_dim:.0f}), memory {cluster.hbm_bandwidth / 1e9:.1f} GB/s, op overhead "
              f"{cluster.op_overhead * 1e6:.1f} us, all-reduce link {cluster.intra.bandwidth / 1e9:.2f} GB/s and "
@@ -105,6 +110,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="times each mesh is timed, in turn (the lowest median counts)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--seq", type=int, default=64)

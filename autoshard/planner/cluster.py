@@ -48,6 +48,14 @@ class Cluster:
     # seconds each op costs beyond its work: Python, dispatch and autograd on a CPU host. A GPU runs its
     # queue while the host launches ahead, so the presets leave it at 0
     op_overhead: float = 0.0
+    # ranks sharing one compute unit: a CPU host running more ranks (x threads) than it has cores. The
+    # measured rates are each rank's share under that contention; a rank that waits (a pipeline bubble)
+    # lends its core to the others, so its neighbours run ``oversubscription`` times faster meanwhile.
+    # 1 on a GPU cluster (one rank a GPU)
+    oversubscription: float = 1.0
+    # elements/s of a transcendental function (the erf of GeLU, the exp of softmax). A GPU computes them
+    # under the memory traffic (inf); a CPU core is slower at them than at streaming the bytes
+    transcendental_rate: float = math.inf
     source: str = ""
 
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:
@@ -75,7 +83,7 @@ class Cluster:
 
     @staticmethod
     def measure(name: str = "measured", sizes=(64, 128, 256, 512, 1024), dtype: torch.dtype | None = None,
-                collective_bytes=(2**12, 2**16, 2**20, 2**22, 2**24), repeats: int = 3) -> "Cluster":
+                collective_bytes=(2**12, 2**16, 2**20, 2**22, 2**24), repeats: int = 7) -> "Cluster":
         """This machine's numbers: GEMM throughput over ``sizes`` (fitting the efficiency curve), a large
         copy (memory bandwidth), and, in a process group of several ranks, all-reduces over
         ``collective_bytes`` (fitting latency and bandwidth with the ring formula). Every rank of the
@@ -83,11 +91,15 @@ class Cluster:
         cuda = torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl")
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
-        shapes = [(n, n, n) for n in sizes] + [(sizes[-1], sizes[-1], k) for k in sizes[:2]]
+        # cubes, thin GEMMs (a small inner dim), and an attention core's (s, s, head_dim). Nothing under
+        # ``sizes[0]``/2: a tiny GEMM's time is the op overhead, which the planner prices on its own
+        shapes = ([(n, n, n) for n in sizes] + [(sizes[-1], sizes[-1], k) for k in sizes[:2]]
+                  + [(sizes[0], sizes[0], sizes[0] // 2)])
         rates = [(shape, _gemm_rate(shape, dtype, device, repeats)) for shape in shapes]
         peak, half, top = _fit_gemm(rates)
         hbm_bw = _copy_rate(device, repeats)
         overhead = 0.0 if cuda else _op_overhead(repeats)
+        transcendental = math.inf if cuda else _transcendental_rate(repeats)
         if cuda:
             hbm = torch.cuda.get_device_properties(device).total_memory
         else:
@@ -97,14 +109,22 @@ class Cluster:
             link = _fit_link([(n, _all_reduce_seconds(n, device, repeats)) for n in collective_bytes], world)
         else:
             link = Link(bandwidth=hbm_bw, latency=1e-6)
+        oversub = 1.0
         if not cuda:
             hbm = hbm / world            # the ranks of one host share its memory
+            oversub = max(1.0, world * torch.get_num_threads() / _cores())
         measured = [Cluster(name, gpus_per_node=world, peak_flops=peak, hbm_bytes=float(hbm), hbm_bandwidth=hbm_bw,
                             intra=link, inter=link, gemm_max_efficiency=top, gemm_half_dim=half, op_overhead=overhead,
+                            oversubscription=oversub, transcendental_rate=transcendental,
                             source=f"measured on {device.type} ({dtype}), {world} rank(s), {time.strftime('%Y-%m-%d')}")]
         if world > 1:      # one cluster for every rank (rank 0's numbers), so every rank plans the same mesh
             dist.broadcast_object_list(measured, src=0)
         return measured[0]
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity mask, which a container's CPU set limits)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _sync(device):
@@ -112,20 +132,29 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device, repeats: int, at_least: float = 0.02) -> float:
+def _timed(fn, device, repeats: int, at_least: float = 0.05) -> float:
     """Seconds of one ``fn()``: the median of ``repeats`` loops, each long enough (``at_least`` seconds)
     to be timed. In a process group every loop starts and ends together on every rank (a barrier on
     each side, the slowest rank's time), so ranks sharing a host's cores or memory measure under the
     contention a step runs under."""
-    fn()
-    _sync(device)
-    start, n = time.perf_counter(), 0
-    while time.perf_counter() - start < at_least / 4:
-        fn()
-        n += 1
-    _sync(device)
-    calls = max(1, int(n * at_least / max(time.perf_counter() - start, 1e-9) / 4))
     together = dist.is_initialized() and dist.get_world_size() > 1
+    fn()
+    # ``calls`` doubles until a loop lasts a quarter of ``at_least`` on the slowest rank. Every rank runs
+    # the same loops: ``fn`` may be a collective, and a rank that stopped early would lend its core
+    calls = 1
+    while True:
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        if together:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if float(elapsed) >= at_least / 4:
+            break
+        calls *= 2
+    calls = max(1, round(calls * at_least / max(float(elapsed), 1e-9)))
     seconds = []
     for _ in range(repeats):
         if together:
@@ -169,6 +198,14 @@ def _copy_rate(device, repeats, numel: int = 2**24) -> float:
     return 2.0 * x.numel() * x.element_size() / max(_timed(lambda: y.copy_(x), device, repeats), 1e-12)
 
 
+def _transcendental_rate(repeats, numel: int = 2**18) -> float:
+    """Elements/s of an exact (erf) GeLU forward on a CPU core: the planner's rate for the activation's
+    and the attention softmax's elements."""
+    import torch.nn.functional as F
+    x = torch.ones(numel)
+    return numel / max(_timed(lambda: F.gelu(x), torch.device("cpu"), repeats), 1e-12)
+
+
 def _op_overhead(repeats, blocks: int = 50) -> float:
     """Seconds per op of a chain of tiny layer-like ops (a linear, a norm, a GeLU, a residual add) with
     autograd, forward and backward: what each op of a step costs the host whatever its size."""
@@ -185,18 +222,13 @@ def _op_overhead(repeats, blocks: int = 50) -> float:
 
 
 def _all_reduce_seconds(nbytes: int, device, repeats) -> float:
+    """Seconds of one all-reduce of ``nbytes``: back-to-back calls timed together (``_timed``: the median
+    of ``repeats`` loops, each between barriers), so a step's usual scheduling delays are in it and one
+    lucky or unlucky call is not; the slowest rank's, so every rank fits the same link."""
     x = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
-    dist.all_reduce(x)
-    best = math.inf
-    for _ in range(repeats):
-        dist.barrier()
-        _sync(device)
-        start = time.perf_counter()
-        dist.all_reduce(x)
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    slowest = torch.tensor([best], dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)     # every rank fits the same link
+    seconds = _timed(lambda: dist.all_reduce(x), device, repeats)
+    slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return float(slowest)
 
 

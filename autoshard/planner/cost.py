@@ -19,6 +19,12 @@ Per microbatch of b sequences on one pipeline chunk (L / (p v) layers):
   part hidden behind the last microbatch's backward (as ``runtime/data_parallel.py`` overlaps it);
   ZeRO-1 adds the parameters' all-gather after the optimizer step and divides the optimizer's work.
 
+On a CPU host the measured cluster adds three facts a GPU cluster does not have: transcendental
+elements (GeLU's erf, softmax's exp) cost a measured rate, not only their bytes; ranks that share cores
+(``Cluster.oversubscription``) lend a core when idle, so a pipeline's step is the longer of the host's
+whole work and the critical path at the unshared rate (``_shared_cores``); and the gradient all-reduce
+hides behind nothing, its thread competing for the same cores.
+
 Memory per rank: bf16 weights, fp32 gradients and fp32 master weights with Adam's two moments (18 bytes
 a parameter, the 12 of the optimizer divided by d under ZeRO-1), plus the activations in flight: the
 first rank of 1F1B holds p microbatches of its layers, of the interleaved schedule more (its warm-up).
@@ -179,6 +185,9 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     round_time = slowest + recompute + tp        # one microbatch through this rank, all its chunks
     compute = m * slowest
     bubble = (p - 1) / v * round_time
+    if p > 1 and cluster.oversubscription > 1:
+        compute, bubble = _shared_cores(cluster, m, p, v, slowest, (per_micro * (p - 1) + per_micro_last) / p,
+                                        recompute + tp)
     p2p = 0.0
     if p > 1:
         link = cluster.link(p, t)
@@ -188,6 +197,18 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     breakdown = Breakdown(compute, m * recompute, m * tp, bubble, p2p, dp_comm, optimizer)
     return Prediction(c, breakdown.total, breakdown, _memory(shape, cluster, c, flash),
                       shape.model_flops(c.global_batch * s))
+
+
+def _shared_cores(cluster: Cluster, m: int, p: int, v: int, slowest: float, mean: float, extra: float) -> tuple:
+    """(compute, bubble) of a pipeline whose ranks share cores (``cluster.oversubscription`` ranks a
+    core, each measured rate a rank's share). A rank idle in the bubble lends its core, so the step is
+    the longer of two bounds: the host's whole work at the shared rate (``m`` rounds of the mean rank),
+    and the critical path, ``m + (p - 1) / v`` rounds of the slowest rank at the unshared rate. Compute
+    is then the mean rank's; the bubble is what the critical path adds over the host's work (the stages'
+    imbalance included)."""
+    busy = m * (mean + extra)
+    critical = (m + (p - 1) / v) * (slowest + extra) / cluster.oversubscription
+    return m * mean, max(0.0, critical - busy)
 
 
 def _pointwise(cluster: Cluster, nbytes: float) -> float:
@@ -210,8 +231,10 @@ def _layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: fl
     stream = BF16 * tokens * h * 14
     sharded = BF16 * tokens * (4 * ffn_out + 6 * h) / t
     softmax = 0 if flash else BF16 * 4 * c.b * shape.heads * s * s / t
-    core += _pointwise(cluster, softmax)
-    forward = gemms + core + _pointwise(cluster, stream + sharded) + OPS_PER_LAYER * cluster.op_overhead
+    core += _pointwise(cluster, softmax) + c.b * shape.heads * s * s / t / cluster.transcendental_rate
+    activation = tokens * shape.ffn / t / cluster.transcendental_rate
+    forward = (gemms + core + _pointwise(cluster, stream + sharded) + activation
+               + OPS_PER_LAYER * cluster.op_overhead)
     link = cluster.link(t, 1)
     one = ring_all_reduce_seconds(BF16 * tokens * h, t, link)
     collectives = 4 * one + (2 * one if c.recompute == "full" else 0)
@@ -242,7 +265,10 @@ def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, last_backw
         return 0.0, _pointwise(cluster, opt_bytes) + host
     link = cluster.link(c.dp, c.tp * c.pp)
     reduce = ring_all_reduce_seconds(FP32 * params, c.dp, link)
-    exposed = max(0.0, reduce - 2.0 / 3.0 * last_backward_window)
+    # the bucketed all-reduce runs beside the last backward; on a host whose cores the ranks already
+    # share, the collective's own thread (gloo's copies and sums) takes a core from that backward instead
+    hidden = 2.0 / 3.0 * last_backward_window if cluster.oversubscription <= 1 else 0.0
+    exposed = max(0.0, reduce - hidden)
     if c.zero:
         gather = ring_all_reduce_seconds(BF16 * params, c.dp, link) / 2     # an all-gather: half a ring all-reduce
         return exposed + gather, _pointwise(cluster, opt_bytes / c.dp) + host

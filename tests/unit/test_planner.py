@@ -36,6 +36,42 @@ def test_the_bubble_is_p_minus_1_over_v_m(p, m, v):
     assert bubble_fraction(p, m, v) == (p - 1) / (v * m)
 
 
+@pytest.mark.parametrize("share", [1.5, 2.0, 4.0])
+def test_ranks_sharing_cores_fill_the_bubble(share):
+    """On a host with ``share`` ranks a core, a rank idle in the bubble lends its core: the step is the
+    longer of the host's work (m rounds at the shared rate) and the critical path (m + p - 1 rounds at
+    the unshared rate), so the bubble is ``max(0, (m + p - 1) / share - m)`` rounds."""
+    p, m = 4, 2
+    shared = FREE_LINKS.with_(oversubscription=share)
+    q = predict(SMALL_VOCAB, shared, Candidate(dp=1, pp=p, tp=1, b=1, m=m))
+    alone = predict(SMALL_VOCAB, FREE_LINKS, Candidate(dp=1, pp=p, tp=1, b=1, m=m))
+    assert q.breakdown.compute == pytest.approx(alone.breakdown.compute, rel=1e-3)
+    rounds = max(0.0, (m + p - 1) / share - m)
+    # (the 8-token head leaves the stages within 0.1% of equal)
+    assert q.breakdown.bubble == pytest.approx(rounds * q.breakdown.compute / m, rel=5e-3, abs=1e-9)
+
+
+def test_a_shared_host_hides_no_gradient_all_reduce():
+    """The dp all-reduce hides behind the last backward on GPUs; where ranks share cores its thread
+    takes a core from that backward, so all of it is exposed."""
+    slow = DGX_A100.with_(inter=Link(5e9, 1e-5), intra=Link(5e9, 1e-5))
+    c = Candidate(dp=8, pp=1, tp=1, b=1, m=1)
+    hidden = predict(SMALL_VOCAB, slow, c).breakdown.dp_comm
+    shared = predict(SMALL_VOCAB, slow.with_(oversubscription=2.0), c).breakdown.dp_comm
+    assert shared > hidden
+
+
+def test_transcendentals_cost_where_the_host_computes_them():
+    """A GPU computes GeLU's erf under its memory traffic; a CPU core at a measured element rate: each
+    layer's forward then pays ``b s ffn / t`` activation and ``b a s^2 / t`` softmax elements."""
+    shape, c = SMALL_VOCAB, Candidate(dp=1, pp=1, tp=2, b=1, m=1)
+    rate = 1e9
+    slow = predict(shape, FREE_LINKS.with_(transcendental_rate=rate), c).breakdown.compute
+    fast = predict(shape, FREE_LINKS, c).breakdown.compute
+    elements = (shape.seq * shape.ffn + shape.heads * shape.seq ** 2) / c.tp
+    assert slow - fast == pytest.approx(3 * shape.layers * elements / rate, rel=1e-6)
+
+
 def test_activation_memory_is_the_papers_formula():
     """Korthikanti et al.: s b h (10 + 24/t + 5 a s / (h t)) bytes a layer (16-bit), 2 s b h with full
     recompute; flash attention drops the attention matrix's 5 a s / (h t)."""
