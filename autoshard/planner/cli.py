@@ -47,12 +47,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's context)")
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--no-flash", action="store_true", help="attention keeps its s x s matrix (no FlashAttention)")
+    ap.add_argument("--memory-limit", type=float, default=None,
+                    help="GiB a GPU may hold (a hard limit below the cluster's usable memory)")
     ap.add_argument("--out", default="autoshard_plan", help="folder for plan.md and plan.svg ('none': write nothing)")
     args = ap.parse_args(argv)
     shape: ModelShape = _model(args.model, args.seq)
     print(f"planning {shape.name} ({shape.params() / 1e9:.2f} B parameters, seq {shape.seq}) on {args.gpus} GPUs "
           f"of {args.cluster}, global batch {args.global_batch} ...", file=sys.stderr, flush=True)
+    limit = None if args.memory_limit is None else args.memory_limit * 2**30
     plans = plan(shape, args.gpus, args.cluster, args.global_batch, flash=not args.no_flash, top=args.top,
+                 memory_limit=limit,
                  progress=lambda done, total: print(f"  priced {done}/{total}", file=sys.stderr, flush=True))
     print(table(plans))
     print(f"\n{plans.considered} configurations priced in {plans.seconds:.2f} s")

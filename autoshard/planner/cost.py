@@ -275,16 +275,25 @@ def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, last_backw
     return exposed, _pointwise(cluster, opt_bytes) + host
 
 
-def _memory(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool) -> Memory:
+def stage_memory(shape: ModelShape, c: Candidate, rank: int, flash: bool = True) -> Memory:
+    """Bytes pipeline rank ``rank`` holds at its peak: the parameters, gradients and optimizer state of
+    the most loaded rank (layers split evenly, the vocabulary on an end stage), and its own activations:
+    ``in_flight(p, m, v, rank)`` chunk-microbatches of its layers (1F1B's first rank p, its last one),
+    one layer's whole activations more while full recompute runs it again, and the fp32 logits and their
+    gradient on the rank that holds the LM head (the last)."""
     params = _rank_params(shape, c)
     optimizer = params * 3 * FP32 / (c.dp if c.zero else 1)
     per_layer = activation_bytes_per_layer(shape, c.b, c.tp, c.recompute, flash, c.sp)
     chunk_layers = shape.layers / (c.pp * c.v)
-    held = in_flight(c.pp, c.m, c.v) * chunk_layers * per_layer
+    held = in_flight(c.pp, c.m, c.v, rank) * chunk_layers * per_layer
     if c.recompute == "full":     # one layer's whole activations while it is recomputed
         held += activation_bytes_per_layer(shape, c.b, c.tp, "none", flash, c.sp)
-    tokens = c.b * shape.seq
-    logits = 2 * FP32 * tokens * shape.vocab / c.tp     # the last stage's fp32 logits and their gradient
-    first = held + (logits if c.pp == 1 else 0)
-    last = in_flight(c.pp, c.m, c.v, c.pp - 1) * chunk_layers * per_layer + logits
-    return Memory(params * BF16, params * FP32, optimizer, max(first, last))
+    if rank == c.pp - 1:
+        held += 2 * FP32 * c.b * shape.seq * shape.vocab / c.tp     # the fp32 logits and their gradient
+    return Memory(params * BF16, params * FP32, optimizer, held)
+
+
+def _memory(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool) -> Memory:
+    """The most loaded rank's peak: the first pipeline rank (the most microbatches in flight) or the
+    last (the logits)."""
+    return max((stage_memory(shape, c, r, flash) for r in {0, c.pp - 1}), key=lambda mem: mem.activations)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import html
 
-from autoshard.planner.search import GiB, Plan, Plans
+from autoshard.planner.search import GiB, Plan, Plans, usable_bytes
 
 
 def table(plans: Plans) -> str:
@@ -55,7 +55,8 @@ def plan_md(plans: Plans) -> str:
               f"| parameters (bf16) | {mem.parameters / GiB:.2f} |", f"| gradients (fp32) | {mem.gradients / GiB:.2f} |",
               f"| optimizer (fp32 master, Adam moments{', ZeRO-1' if best.zero else ''}) | {mem.optimizer / GiB:.2f} |",
               f"| activations in flight | {mem.activations / GiB:.2f} |",
-              f"| total (usable {cluster.hbm_bytes * cluster.usable_memory / GiB:.1f}) | {mem.total / GiB:.2f} |",
+              f"| total ({'memory_limit' if plans.limit < usable_bytes(cluster) else 'usable'} {plans.limit / GiB:.1f}) | "
+              f"{mem.total / GiB:.2f} |",
               "", "## The alternatives", "", table(plans), "",
               f"{plans.considered} configurations priced in {plans.seconds:.2f} s.", ""]
     return "\n".join(lines)

@@ -92,13 +92,19 @@ class Plans:
     considered: int
     seconds: float
     priced: list = field(default_factory=list)   # every configuration, as a Plan (its ``why`` empty)
+    memory_limit: float | None = None            # bytes per GPU asked for (plan(memory_limit=...)), if any
+
+    @property
+    def limit(self) -> float:
+        """Bytes a plan may hold per GPU: the cluster's usable memory, or ``memory_limit`` below it."""
+        return usable_bytes(self.cluster, self.memory_limit)
 
     @property
     def best(self) -> Plan:
         if not self.ranked:
             need = min((p.memory_bytes for p in self.too_big), default=0)
             raise ValueError(f"no configuration of {self.gpus} GPUs fits {self.shape.name} in "
-                             f"{size(self.cluster.hbm_bytes * self.cluster.usable_memory)} per GPU: the smallest "
+                             f"{size(self.limit)} per GPU: the smallest "
                              f"needs {size(need)}; use more GPUs, a smaller global batch or sequence, or a "
                              "cluster with more memory")
         return self.ranked[0]
@@ -111,6 +117,13 @@ class Plans:
 
     def __getitem__(self, i):
         return self.ranked[i]
+
+
+def usable_bytes(cluster: Cluster, memory_limit: float | None = None) -> float:
+    """What a plan may hold per GPU: the cluster's usable memory (``hbm_bytes x usable_memory``), or
+    ``memory_limit`` where that is lower (a limit above what the GPU holds cannot raise it)."""
+    usable = cluster.hbm_bytes * cluster.usable_memory
+    return usable if memory_limit is None else min(usable, float(memory_limit))
 
 
 def _divisors(n: int) -> list:
@@ -157,12 +170,15 @@ def candidates(shape: ModelShape, gpus: int, global_batch: int, max_b: int = 16,
 
 
 def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int | None = None,
-         flash: bool = True, top: int = 10, max_tp: int | None = None, progress=None) -> Plans:
+         flash: bool = True, top: int = 10, max_tp: int | None = None, progress=None,
+         memory_limit: float | None = None) -> Plans:
     """The configurations of ``gpus`` GPUs of ``cluster`` training ``model`` on ``global_batch``
     sequences a step, fastest first. ``model`` is a ``ModelShape``, the built-in GPT (config or model),
     an HF config (object, dict or ``config.json`` path) or model; ``seq`` overrides its context length.
-    ``flash``: attention keeps no s x s matrix (FlashAttention / SDPA). ``progress(done, total)`` is
-    called while pricing."""
+    ``flash``: attention keeps no s x s matrix (FlashAttention / SDPA). ``memory_limit``: bytes per GPU a
+    plan may hold, a hard constraint where it is below the cluster's usable memory (which it replaces);
+    SP and selective or full recompute are among the candidates, so the fastest that fits uses them only
+    as far as the limit needs. ``progress(done, total)`` is called while pricing."""
     start = time.perf_counter()
     shape = model_shape(model, seq)
     cluster = cluster_named(cluster)
@@ -171,7 +187,9 @@ def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int
         raise ValueError(f"no legal configuration of {gpus} GPUs for {shape.name} (heads {shape.heads}, layers "
                          f"{shape.layers}) and a global batch of {global_batch}: the batch must divide over some dp "
                          "size, and a tp size must divide the heads")
-    limit = cluster.hbm_bytes * cluster.usable_memory
+    if memory_limit is not None and not memory_limit > 0:
+        raise ValueError(f"memory_limit={memory_limit!r}: give the bytes a GPU may hold, a positive number")
+    limit = usable_bytes(cluster, memory_limit)
     fits, big = [], []
     for i, c in enumerate(pool):
         pred = predict(shape, cluster, c, flash)
@@ -186,10 +204,15 @@ def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int
         ranked.append(_plan(q, True, _why(q, winner, limit) if q is not winner else _bound(q)))
     faster = [q for q in big if winner is None or q.step_seconds < winner.step_seconds]
     too_big = [_plan(q, False, f"needs {size(q.memory.total)} per GPU, {size(q.memory.total - limit)} more than "
-                               f"the {size(limit)} usable")
+                               f"the {size(limit)} {_limit_word(cluster, limit)}")
                for q in _distinct(faster)[:top]]
     priced = [_plan(q, True, "") for q in fits] + [_plan(q, False, "") for q in big]
-    return Plans(shape, cluster, gpus, global_batch, ranked, too_big, len(pool), time.perf_counter() - start, priced)
+    return Plans(shape, cluster, gpus, global_batch, ranked, too_big, len(pool), time.perf_counter() - start, priced,
+                 memory_limit)
+
+
+def _limit_word(cluster: Cluster, limit: float) -> str:
+    return "allowed (memory_limit)" if limit < usable_bytes(cluster) else "usable"
 
 
 def _plan(q: Prediction, fits: bool, why: str) -> Plan:
