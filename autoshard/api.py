@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import itertools
 import logging
+import os
 import time
 from contextlib import contextmanager
 
@@ -32,6 +33,7 @@ from autoshard.passes.lower import collective_records, param_records
 from autoshard.passes.manager import PassContext, check_pass_list, run_passes
 from autoshard.passes.stages import split_chunks
 from autoshard.passes.shapes import module_path
+from autoshard.planner.memory_ladder import memory_options
 from autoshard.runtime.comm import comms_for_mesh
 from autoshard.runtime.device import to_device
 from autoshard.runtime.module import ParallelModule
@@ -333,6 +335,44 @@ def _planned(plan, spec, args, kwargs, keywords: dict) -> dict:
     return out
 
 
+_MEMORY_SETTINGS = {"recompute": "auto", "sequence_parallel": False}     # what memory_limit may choose, defaults
+
+
+def _user_memory_settings(keywords: dict, options: CompileOptions | None, plan) -> set:
+    """The settings ``memory_limit`` must not change, only check: given as keywords, set away from their
+    default in ``options=``, or decided by a plan."""
+    if plan is not None:
+        return set(_MEMORY_SETTINGS)
+    if options is not None:
+        return {k for k, default in _MEMORY_SETTINGS.items() if getattr(options, k) != default}
+    return {k for k in _MEMORY_SETTINGS if k in keywords}
+
+
+def _memory_limited(model, spec, args, kwargs, options: CompileOptions, fixed: set, rank: int) -> tuple:
+    """``(options, MemoryChoice or None)``: recompute and sequence parallelism as ``memory_limit`` needs
+    them (``planner/memory_ladder.py``), said on rank 0; a model that asks for recompute itself (HF's
+    checkpointing flag under ``recompute="auto"``) keeps it, checked."""
+    if options.pipeline is None or options.pipeline.memory_limit is None:
+        return options, None
+    resolved = _recompute_resolved(options, model)
+    if options.recompute == "auto" and resolved.recompute is True:
+        fixed = fixed | {"recompute"}
+    options, choice = memory_options(model, spec, args, kwargs, resolved, frozenset(fixed))
+    if choice is not None and rank == 0:
+        saved = choice.chosen is not choice.rungs[0] and not choice.fixed     # it costs time: say so loudly
+        (log.warning if saved else log.info)("autoshard: %s", choice.summary())
+    return options, choice
+
+
+def _dump_memory(choice, options: CompileOptions, rank: int) -> None:
+    """The ladder's section at the end of this rank's ``plan.md``, when one was written."""
+    out = _rank_dump_dir(options, rank)
+    if choice is None or not out or not os.path.exists(os.path.join(out, "plan.md")):
+        return
+    with open(os.path.join(out, "plan.md"), "a") as f:
+        f.write("\n" + "\n".join(choice.lines()))
+
+
 def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *, max_programs: int = 8,
                 options: CompileOptions | None = None, plan=None, **keywords):
     """``model`` parallelized over ``mesh`` (its tp, pp and dp axes): an ``nn.Module`` holding this rank's shards.
@@ -374,6 +414,12 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     row-parallel all-reduces become reduce-scatters and each column-parallel input an all-gather whose
     backward reduce-scatters; a pipeline boundary is sent sequence-sharded (1/t of the bytes).
 
+    ``memory_limit`` (bytes per rank) also bounds the whole rank, as the planner's cost model counts it
+    (``planner/memory_ladder.py``): with ``recompute`` and ``sequence_parallel`` left out, it sets them to
+    the fastest of TP alone, + sequence parallelism, + selective recompute, full recompute that fits, one
+    choice for every stage (``pm.memory_choice``, a log line and ``plan.md`` say which and why), and raises
+    naming the bytes missing per rank when none fits; set by the user (or a plan), they are only checked.
+
     ``check_finite=True`` (or ``AUTOSHARD_CHECK_FINITE=1``) raises on every rank, naming the step, when a
     training loss (and, in ``pm.step``, the gradient norm) is NaN or inf, as Megatron's
     ``check_for_nan_in_loss_and_grad`` does; off by default (it reads the loss back each step).
@@ -382,6 +428,7 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     model that returns logits: pass ``{"target": y}`` in ``example_kwargs`` and ``pm.step(x, target=y)``.
     """
     spec = mesh_spec(mesh)
+    fixed = _user_memory_settings(keywords, options, plan)
     if plan is not None and options is not None:    # the plan's settings over the options given whole
         planned = _planned(plan, spec, example_args, example_kwargs, {})
         pipe = {PIPELINE_KEYWORDS[k]: v for k, v in planned.items() if k in PIPELINE_KEYWORDS}
@@ -395,8 +442,10 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
         raise ValueError("parallelize needs a DeviceMesh from autoshard.init_mesh for more than one rank; "
                          "use autoshard.compile_rank for compile-only runs")
     rank = dist.get_rank() if dist.is_initialized() else 0
+    options, memory = _memory_limited(model, spec, example_args, example_kwargs, options, fixed, rank)
     if spec.pp > 1:
         program = compile_pipeline(model, spec, rank, example_args, example_kwargs, options)
+        _dump_memory(memory, options, rank)
         comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
         peers = spec.group_ranks(rank, "pp")
         ties = _tie_groups(spec, rank, program.ties()) if spec.pp > 1 else {}
@@ -410,11 +459,14 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
                                         stretches=tuple(program.plan.stretches))
             later = dataclasses.replace(options, pins={**pins, **options.pins}, dump=None, pipeline=popts)
             return compile_pipeline(model, spec, rank, args, kwargs, later, training=training)
-        return ParallelModule(program, model, comms, mesh["tp"] if real_mesh else None, step_compiler=twin_compiler,
-                              max_programs=max_programs, peers=peers, tie_groups=ties, p2p_groups=p2p)
+        pm = ParallelModule(program, model, comms, mesh["tp"] if real_mesh else None, step_compiler=twin_compiler,
+                            max_programs=max_programs, peers=peers, tie_groups=ties, p2p_groups=p2p)
+        pm.memory_choice = memory
+        return pm
     step_options = options
     options = dataclasses.replace(options, pipeline=None)
     prog = compile_rank(model, spec, rank, example_args, example_kwargs, options)
+    _dump_memory(memory, options, rank)
 
     def compiler(args, kwargs, training, pinned):
         # a forward call without target= (pm.eval(); pm(x)) runs the model alone and returns its output
@@ -438,4 +490,5 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     pm = ParallelModule(prog, model, comms, tp_mesh, compiler=compiler, step_compiler=step_compiler,
                         max_programs=max_programs)
     pm.zero = step_options.pipeline.zero if step_options.pipeline is not None else 0
+    pm.memory_choice = memory
     return pm

@@ -8,6 +8,8 @@
 ``cluster.py`` holds the hardware as data (presets and ``Cluster.measure()``), ``shape.py`` the model's
 sizes, ``cost.py`` the step time and memory of one configuration, ``search.py`` the search and its
 reasons, ``report.py`` the table, ``plan.md`` and the plot, and ``cli.py`` ``python -m autoshard plan``.
+``memory_ladder.py`` makes ``memory_limit`` a hard constraint for a mesh already chosen: the fastest of TP,
++ SP, + selective recompute, full recompute that fits (what ``parallelize(memory_limit=...)`` applies).
 """
 from autoshard.planner.cluster import DGX_A100, DGX_H100, PRESETS, Cluster, Link, cluster_named
 from autoshard.planner.cost import Breakdown, Candidate, Memory, Prediction, predict

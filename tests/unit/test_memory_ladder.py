@@ -1,0 +1,194 @@
+"""``memory_limit`` as a hard constraint (``autoshard/planner/memory_ladder.py``): lowering it walks the
+ladder TP -> TP + SP -> TP + SP + selective -> full recompute -> an error naming the bytes missing;
+``parallelize(memory_limit=...)`` applies the choice (or only checks the user's), and the program it
+runs is the single-device model's; ``autoshard.plan(memory_limit=...)`` respects it too."""
+import copy
+import dataclasses
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autoshard
+from autoshard.ir.mesh import MeshSpec
+from autoshard.ir.program import comm_summary
+from autoshard.models.gpt import GPT, GPTConfig
+from autoshard.planner import DGX_A100, Candidate, plan, predict
+from autoshard.planner.cost import stage_memory
+from autoshard.planner.memory_ladder import MemoryLimitError, choose, memory_options, rungs_for
+from autoshard.planner.shape import BUILTIN, model_shape
+from tests.harness.parity_checks import rel
+from tests.harness.simulate import simulate
+
+# SC'21's 1.7B GPT (24 layers, h 2304, 24 heads, s 2048) on pp=2 x tp=4, 8 microbatches of 2, attention
+# keeping its s x s matrix (so selective recompute has something to drop)
+SHAPE = BUILTIN["gpt-1.7b"]
+MESH = dict(dp=1, pp=2, tp=4, b=2, m=8)
+LADDER = ["TP alone", "TP + SP", "TP + SP + selective recompute", "TP + SP + full recompute"]
+MiB = 2**20
+
+
+def _choose(limit, **kw):
+    return choose(SHAPE, limit, **MESH, cluster=DGX_A100, flash=False, **kw)
+
+
+def test_lowering_the_limit_walks_the_ladder_then_names_the_missing_bytes():
+    free = _choose(1e15)
+    names = [r.name for r in free.rungs]
+    assert names == LADDER, names                            # the ladder is the order of the time they add
+    steps = [r.step_seconds for r in free.rungs]
+    assert steps == sorted(steps) and len(set(steps)) == 4
+    sizes = [r.bytes for r in free.rungs]
+    assert all(a > b for a, b in zip(sizes, sizes[1:])), sizes   # each rung holds less than the one before
+    for r in free.rungs:                                     # the bytes are the cost model's, rank by rank
+        c = Candidate(1, 2, 4, 2, 8, 1, r.recompute, 0, r.sp)
+        assert r.bytes == predict(SHAPE, DGX_A100, c, flash=False).memory.total
+        assert r.stage_bytes == tuple(stage_memory(SHAPE, c, k, flash=False).total for k in range(2))
+        assert max(r.stage_bytes) == r.bytes
+    chosen = []
+    for i, rung in enumerate(free.rungs):
+        at = _choose(rung.bytes)                             # exactly its bytes: it fits
+        assert at.chosen.name == rung.name
+        assert [x.rung.name for x in at.rejected] == LADDER[:i]
+        assert all(x.missing > 0 and "more than memory_limit" in x.reason() for x in at.rejected)
+        below = rung.bytes - 1                               # a byte less: the next rung down
+        if i + 1 < len(free.rungs):
+            assert _choose(below).chosen.name == LADDER[i + 1]
+        chosen.append(at.chosen.options())
+    assert chosen == [{"recompute": False, "sequence_parallel": False}, {"recompute": False, "sequence_parallel": True},
+                      {"recompute": "selective", "sequence_parallel": True}, {"recompute": True, "sequence_parallel": True}]
+    smallest = free.rungs[-1].bytes
+    with pytest.raises(MemoryLimitError) as e:
+        _choose(smallest - 3 * MiB)
+    assert e.value.missing == pytest.approx(3 * MiB)
+    msg = str(e.value)
+    assert f"{3 * MiB} bytes (3.0 MiB) missing per rank" in msg and "TP + SP + full recompute" in msg
+    assert "more GPUs" in msg and "microbatches=16" in msg       # b=2: a smaller microbatch is a way out
+
+
+def test_flash_attention_leaves_selective_recompute_nothing_to_drop():
+    """With flash attention no s x s matrix is kept, so selective recompute holds what SP holds, for
+    more time: the choice goes from SP straight to full recompute."""
+    free = choose(SHAPE, 1e15, **MESH, cluster=DGX_A100, flash=True)
+    by = {r.name: r for r in free.rungs}
+    assert by["TP + SP + selective recompute"].bytes == by["TP + SP"].bytes
+    below_sp = choose(SHAPE, by["TP + SP"].bytes - 1, **MESH, cluster=DGX_A100, flash=True)
+    assert below_sp.chosen.name == "TP + SP + full recompute"
+
+
+def test_each_stage_holds_its_own_microbatches_in_flight():
+    """1F1B's first stage holds p microbatches of its layers, the last one (and the logits): one choice
+    runs on every stage, and ``per_stage`` says what each would take alone."""
+    free = _choose(1e15)
+    tp_alone = free.rungs[0]
+    first, last = tp_alone.stage_bytes
+    assert first > last
+    between = _choose((first + last) / 2)
+    alone = between.per_stage()
+    assert alone[1].name == "TP alone" and alone[0].name != "TP alone"
+    assert between.chosen is not tp_alone and "Each stage alone" in "\n".join(between.lines())
+
+
+def test_settings_the_user_gave_are_kept_and_only_checked():
+    assert rungs_for(4, 2048, sp=False) == [("none", False), ("selective", False), ("full", False)]
+    assert rungs_for(1, 2048) == [("none", False), ("selective", False), ("full", False)]
+    assert rungs_for(4, 2048, recompute="full") == [("full", False), ("full", True)]
+    free = _choose(1e15)
+    sp_bytes = free.rungs[1].bytes
+    checked = _choose(1e15, recompute="none", sp=False)
+    assert [r.name for r in checked.rungs] == ["TP alone"] and checked.fixed == ("recompute", "sequence_parallel")
+    with pytest.raises(MemoryLimitError, match=r"TP alone \(recompute=False, sequence_parallel=False, as given\).*"
+                                               r"Leave recompute and sequence_parallel out and memory_limit chooses TP \+ SP"):
+        _choose(sp_bytes, recompute="none", sp=False)
+    with pytest.raises(ValueError, match="sequence_parallel=True shards the sequence over tp, but tp=1"):
+        choose(SHAPE, 1e15, tp=1, sp=True)
+    with pytest.raises(ValueError, match="positive number"):
+        _choose(0)
+
+
+def _gpt(**kw):
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16, flash=False, **kw)
+    idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    tgt = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2))
+    return GPT(cfg), idx, tgt
+
+
+def test_parallelize_applies_the_choice_and_trains_exactly(tmp_path, caplog):
+    model, idx, tgt = _gpt()
+    free = choose(model_shape(model, 16), 1e15, b=4, flash=False)
+    assert [r.name for r in free.rungs] == ["no recompute", "selective recompute", "full recompute"]
+    limit = (free.rungs[0].bytes + free.rungs[1].bytes) / 2
+    ref = copy.deepcopy(model)
+    _, want = ref(idx, tgt)
+    want.backward()
+    with caplog.at_level(logging.INFO, logger="autoshard"):
+        pm = autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (idx, tgt), loss_only=True, memory_limit=limit,
+                                   dump=str(tmp_path))
+    assert pm.memory_choice.chosen.name == "selective recompute" and pm.program.options.recompute == "selective"
+    assert "memory_limit=" in caplog.text and "selective recompute" in caplog.text
+    assert "## Memory limit" in (tmp_path / "plan.md").read_text()
+    got = pm.step(idx, tgt)
+    assert math.isclose(float(got.detach()), float(want.detach()), rel_tol=1e-5)
+    grads = dict(ref.named_parameters())
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-4, atol=1e-6)
+    kept = autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (idx, tgt), loss_only=True, memory_limit=limit,
+                                 recompute=True)                 # the user's full recompute fits: kept
+    assert kept.program.options.recompute is True and kept.memory_choice.fixed == ("recompute",)
+    with pytest.raises(MemoryLimitError, match="recompute=False, as given.*chooses selective recompute"):
+        autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (idx, tgt), memory_limit=limit, recompute=False)
+    with pytest.raises(MemoryLimitError, match="bytes .* missing per rank"):
+        autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (idx, tgt), memory_limit=free.rungs[-1].bytes - 1)
+
+
+def test_the_choice_at_tp_2_is_sequence_parallel_and_exact():
+    """At tp=2 the options ``parallelize`` would run (``memory_options``) turn SP (and selective recompute)
+    on below TP alone's bytes; the program they compile reduce-scatters, and trains exactly."""
+    model, idx, tgt = _gpt(dropout=0.0)
+    spec = MeshSpec(tp=2)
+    shape = model_shape(model, 16)
+    free = choose(shape, 1e15, tp=2, b=4, flash=False)
+    limit = free.rungs[2].bytes                                  # TP + SP + selective fits exactly
+    options = autoshard.compile_options(loss_only=True, memory_limit=limit)
+    chosen, choice = memory_options(model, spec, (idx, tgt), {}, options)
+    assert choice.chosen.name == "TP + SP + selective recompute"
+    assert (chosen.recompute, chosen.sequence_parallel) == ("selective", True)
+    prog = autoshard.compile_rank(model, spec, 0, (idx, tgt), options=dataclasses.replace(chosen, pipeline=None))
+    assert comm_summary(prog.collectives)[0][("tp", "fwd", "reduce_scatter")] > 0
+    ref = copy.deepcopy(model)
+    want = ref(idx, tgt)[1]
+    want.backward()
+    for rank, (out, grads, _) in enumerate(simulate(model, 2, (idx, tgt), loss_fn=lambda o: o[1], loss_only=True,
+                                                    **choice.options())):
+        assert rel(out[1].detach(), want.detach()) <= 1e-5
+        for n, p in ref.named_parameters():
+            assert rel(grads[n], p.grad) <= 1e-5, (rank, n)
+
+
+def test_a_model_the_planner_cannot_read_keeps_the_balancers_limit(caplog):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    x = torch.randn(4, 8)
+    with caplog.at_level(logging.WARNING, logger="autoshard"):
+        pm = autoshard.parallelize(model, {"tp": 1}, (x,), memory_limit=1e9)
+    assert pm.memory_choice is None and "bounds only the pipeline stages" in caplog.text
+    assert pm(x).shape == (4, 1)
+
+
+def test_plan_takes_a_memory_limit_below_the_clusters():
+    """``autoshard.plan(memory_limit=...)``: a limit below the usable memory replaces it, so the winner
+    fits it (with SP or recompute where it must); a limit above changes nothing."""
+    shape = BUILTIN["gpt-1.7b"]
+    free = plan(shape, 8, DGX_A100, global_batch=64)
+    limit = free.best.memory_bytes * 0.6
+    tight = plan(shape, 8, DGX_A100, global_batch=64, memory_limit=limit)
+    assert tight.limit == limit and all(p.memory_bytes <= limit for p in tight.ranked)
+    assert tight.best.step_seconds >= free.best.step_seconds
+    assert any(p.memory_bytes > limit and "allowed (memory_limit)" in p.why for p in tight.too_big)
+    roomy = plan(shape, 8, DGX_A100, global_batch=64, memory_limit=1e15)
+    assert roomy.limit == DGX_A100.hbm_bytes * DGX_A100.usable_memory
+    assert roomy.best.label() == free.best.label()
+    with pytest.raises(ValueError, match="fits gpt-1.7b in 1.0 KiB per GPU"):
+        plan(shape, 8, DGX_A100, global_batch=64, memory_limit=1024).best
