@@ -38,6 +38,7 @@ from autoshard.passes.selective_recompute import selective_recompute_pass
 from autoshard.passes.stack_scans import stack_scans_pass
 from autoshard.passes.tp_rewrite import tp_rewrite_pass
 from autoshard.passes.unit_axis import drop_unit_axis_pass
+from autoshard.passes.weight_grad import split_weight_grad_pass
 from autoshard.passes.validate import check_heads_pass, check_local_shapes_pass
 
 
@@ -97,6 +98,8 @@ PASSES = [
          "(plan.md: Activation recompute); before fuse, whose kernels stay within a layer", provides=(M.RECOMPUTE,)),
     Pass("selective_recompute", selective_recompute_pass, "recompute='selective': each attention's core (scores, "
          "softmax, dropout, times v) runs again in backward, the matmul outputs kept", provides=(M.RECOMPUTE,)),
+    Pass("split_weight_grad", split_weight_grad_pass, "zero-bubble schedules: each matmul's weight gradient "
+         "waits for the schedule's W (pipeline.md: B and W); after recompute, whose regions keep their nodes"),
     Pass("fuse", fuse_pass, "pointwise chains and row reductions as generated Triton kernels (plan.md: Fusion)",
          requires=(M.LOCAL_VAL,)),
 ]

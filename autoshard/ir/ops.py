@@ -111,6 +111,7 @@ class ColumnParallelMatmul(ParallelOp):
     def __init__(self, axis, size, shape, transposed: bool):
         super().__init__(axis, size)
         self.shape, self.transposed = tuple(shape), transposed
+        self.defer_weight = False     # split_weight_grad: dW waits for the schedule's W (ir/weight_grad.py)
 
     def meta_forward(self, x, weight, bias=None):
         return F.linear(x, weight.t() if self.transposed else weight, bias)

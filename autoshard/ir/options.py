@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
+from autoshard.ir.schedule import SPLIT_SCHEDULES
+
 
 def dump_dir(explicit: str | None) -> str | None:
     return explicit or os.environ.get("AUTOSHARD_DUMP") or None
@@ -92,7 +94,7 @@ class CostModel:
                          op_overhead=8e-6, transcendental_rate=3e8)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 CODEGENS = ("auto", "autoshard", "inductor")
 
 
@@ -169,6 +171,11 @@ class CompileOptions:
         if self.codegen not in CODEGENS:
             raise ValueError(f"codegen={self.codegen!r}: choose one of {CODEGENS} ('inductor' compiles each rank's "
                              "program with torch.compile; 'autoshard' runs it eagerly with autoshard's own kernels)")
+        if (self.pipeline is not None and self.pipeline.schedule in SPLIT_SCHEDULES
+                and resolved_codegen(self.codegen) == "inductor"):
+            raise ValueError(f"schedule={self.pipeline.schedule!r} with codegen='inductor': a zero-bubble schedule "
+                             "runs each stage's backward as two actions (B, then W), which a program torch.compile "
+                             "made whole cannot do; use codegen='autoshard' or schedule='1f1b'")
         if self.cuda_graphs and resolved_codegen(self.codegen) != "inductor":
             raise ValueError(f"cuda_graphs=True with codegen={self.codegen!r}: CUDA graphs are captured by "
                              "torch.compile's 'reduce-overhead' mode, so pass codegen='inductor' with it")

@@ -10,11 +10,17 @@ Placement is Megatron's interleaved one (Narayanan et al., SC'21, §2.2): the mo
 this is the plain one-stage-per-rank pipeline. Microbatches are ``0 .. m-1``.
 
 Text form, one action: ``<stage><KIND><microbatch>``, e.g. ``2F0`` (stage 2 forwards microbatch 0),
-``1B3``, ``0SEND_F1`` (stage 0 sends its output for microbatch 1 to stage 1), ``1RECV_F1`` (stage 1
-receives it). A send is named by the sending stage, a receive by the receiving stage.
+``1B3``, ``0W3`` (stage 0's weight gradients of microbatch 3), ``0SEND_F1`` (stage 0 sends its output for
+microbatch 1 to stage 1), ``1RECV_F1`` (stage 1 receives it). A send is named by the sending stage, a
+receive by the receiving stage.
+
+A *split* schedule (zero-bubble: Qi et al., ICLR 2024) has a ``W`` for every ``B``: there ``B`` computes
+only the gradient of the stage's input, which the previous stage waits for, and ``W`` the weights'
+gradients from what ``B`` kept, which nobody waits for, so W fills the bubbles.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from enum import Enum
@@ -22,15 +28,16 @@ from enum import Enum
 
 class Kind(str, Enum):
     F = "F"            # forward of one microbatch through one stage
-    B = "B"            # backward (input and weight gradients together)
+    B = "B"            # backward: input and weight gradients together, or the input's alone (split)
+    W = "W"            # weight gradients from what B kept (split schedules only)
     SEND_F = "SEND_F"  # activation to the next stage
     RECV_F = "RECV_F"  # activation from the previous stage
     SEND_B = "SEND_B"  # input gradient to the previous stage
     RECV_B = "RECV_B"  # output gradient from the next stage
 
 
-COMPUTE = (Kind.F, Kind.B)
-_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)")
+COMPUTE = (Kind.F, Kind.B, Kind.W)
+_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(\d+)")
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,11 @@ class Schedule:
 
     def stages_of(self, rank: int) -> list[int]:
         return list(range(rank, self.num_stages, self.pp))
+
+    @property
+    def split(self) -> bool:
+        """Whether backward is split into B (input gradient) and W (weight gradients) actions."""
+        return any(a.kind is Kind.W for acts in self.actions.values() for a in acts)
 
     @property
     def lowered(self) -> bool:
@@ -182,12 +194,84 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
     return Schedule("interleaved_1f1b", pp, v, m, acts)
 
 
+W_MEMORY = 0.5     # of a microbatch's activations, what B keeps for W (the matmuls' inputs, the output grads)
+
+
+def zero_bubble_h1(pp: int, m: int, f=1, b=1, w=1, w_memory: float = W_MEMORY) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024), one stage per rank.
+
+    Backward is split (``Schedule.split``): B, the input gradient the previous stage waits for, and W,
+    the weight gradients nobody waits for. The list comes from replaying the pipeline in time (F, B and
+    W take ``f``, ``b`` and ``w``; the paper assumes them equal). Whenever a rank is free it runs, in
+    this order of preference: the next F if its input has arrived, the rank holds fewer than ``p - r``
+    microbatches between F and B (1F1B's warm-up) and one more fits its memory; a B whose output
+    gradient has arrived; else its oldest W. W so moves into the time 1F1B's ranks wait, and the bubble
+    falls from ``(p - 1)(f + b + w)`` to ``(p - 1)(f + b - w)`` (exactly so for every p and m >= p
+    with equal costs: ``tests/unit/test_zero_bubble.py``; preferring B to F loses a unit for some m).
+
+    Memory is counted in microbatches' activations: one from F to B, ``w_memory`` of one from B to W.
+    Every rank stays within ``p``, the peak of 1F1B's first rank: that is ZB-H1's promise. A later rank,
+    which 1F1B leaves with fewer in flight, uses the room to hold back its W until its rank would wait."""
+    _check_positive(pp=pp, m=m)
+    done: dict[Action, float] = {}               # action -> the time it ends
+    acts: dict[int, list[Action]] = {r: [] for r in range(pp)}
+    free = [0] * pp
+    n_f, n_b, n_w = [0] * pp, [0] * pp, [0] * pp
+    total, placed, now = 3 * pp * m, 0, 0
+
+    def ready(a: Action) -> bool:
+        return all(d in done and done[d] <= now for d in _compute_deps(a, pp))
+
+    def fits_another(r: int) -> bool:
+        return (n_f[r] - n_b[r]) + w_memory * (n_b[r] - n_w[r]) + 1 <= pp + 1e-9
+
+    while placed < total:
+        for r in range(pp):
+            if free[r] > now:
+                continue
+            if n_f[r] < m and n_f[r] - n_b[r] < pp - r and fits_another(r) and ready(Action(r, Kind.F, n_f[r])):
+                choice, cost = Action(r, Kind.F, n_f[r]), f
+                n_f[r] += 1
+            elif n_b[r] < n_f[r] and ready(Action(r, Kind.B, n_b[r])):
+                choice, cost = Action(r, Kind.B, n_b[r]), b
+                n_b[r] += 1
+            elif n_w[r] < n_b[r]:
+                choice, cost = Action(r, Kind.W, n_w[r]), w
+                n_w[r] += 1
+            else:
+                continue
+            acts[r].append(choice)
+            done[choice] = free[r] = now + cost
+            placed += 1
+        later = [t for t in list(free) + list(done.values()) if t > now]
+        if not later and placed < total:
+            raise ValueError(f"zero_bubble_h1(pp={pp}, m={m}): no rank can move")   # cannot happen: W always can
+        now = min(later, default=now)
+    return Schedule("zb-h1", pp, 1, m, acts)
+
+
+def _compute_deps(a: Action, pp: int) -> list:
+    """What a compute action of a one-stage-per-rank split schedule waits for (``dependencies``'s
+    compute-only rule, for the generator's replay)."""
+    s, i = a.stage, a.microbatch
+    if a.kind is Kind.F:
+        return [] if s == 0 else [Action(s - 1, Kind.F, i)]
+    if a.kind is Kind.B:
+        return [Action(s, Kind.F, i)] + ([] if s == pp - 1 else [Action(s + 1, Kind.B, i)])
+    return [Action(s, Kind.B, i)]
+
+
+SPLIT_SCHEDULES = ("zb-h1",)       # backward split into B and W (zero-bubble)
+
+
 def make_schedule(name: str, pp: int, m: int, v: int) -> Schedule:
     """The compute-only schedule ``PipelineOptions.schedule`` names."""
     if name == "gpipe":
         return gpipe(pp, m)
     if name == "1f1b":
         return one_f_one_b(pp, m)
+    if name == "zb-h1":
+        return zero_bubble_h1(pp, m)
     return interleaved_1f1b(pp, m, v)
 
 
@@ -212,6 +296,9 @@ def add_communication(schedule: Schedule) -> Schedule:
         ops = []
         for a in acts:
             s, i = a.stage, a.microbatch
+            if a.kind is Kind.W:          # local: reads what B kept, sends nothing
+                ops.append(a)
+                continue
             if a.kind is Kind.F:
                 before = s > 0 and rank_of(s - 1) != r
                 after = s < last and rank_of(s + 1) != r
@@ -243,6 +330,8 @@ def dependencies(schedule: Schedule) -> dict[Action, list[Action]]:
             cross = lowered and rank_of(s + 1) != rank_of(s)
             deps[a] = [Action(s, Kind.F, i)]
             deps[a] += [] if s == last else [Action(s, Kind.RECV_B, i) if cross else Action(s + 1, Kind.B, i)]
+        elif a.kind is Kind.W:
+            deps[a] = [Action(s, Kind.B, i)]
         elif a.kind in (Kind.RECV_F, Kind.RECV_B):
             deps[a] = [_matching_send(a)]
         else:  # a send needs the compute that made its value
@@ -285,9 +374,10 @@ def validate(schedule: Schedule) -> dict[int, int]:
             elif schedule.rank_of(a.stage) != r:
                 errors.append(f"rank {r}: {a} belongs to rank {schedule.rank_of(a.stage)}")
             seen[a] = seen.get(a, 0) + 1
+    kinds = COMPUTE if schedule.split else (Kind.F, Kind.B)
     for s in range(n):
         for i in range(m):
-            for kind in COMPUTE:
+            for kind in kinds:
                 if seen.get(Action(s, kind, i), 0) != 1:
                     errors.append(f"{Action(s, kind, i)} runs {seen.get(Action(s, kind, i), 0)} times, not once")
     errors += [f"{a} appears {c} times" for a, c in seen.items() if c > 1 and not a.is_compute]
@@ -303,14 +393,17 @@ def validate(schedule: Schedule) -> dict[int, int]:
     if errors:
         raise ValueError(f"invalid schedule {schedule.name!r}:\n  " + "\n  ".join(errors[:20]))
     execution_order(schedule)
-    in_flight = {}
-    for r in range(pp):
-        live = peak = 0
-        for a in schedule.actions.get(r, []):
-            live += (a.kind is Kind.F) - (a.kind is Kind.B)
-            peak = max(peak, live)
-        in_flight[r] = peak
-    return in_flight
+    return {r: peak_in_flight(schedule.actions.get(r, []), schedule.split) for r in range(pp)}
+
+
+def peak_in_flight(actions: list, split: bool) -> int:
+    """The most microbatches' activations a rank's actions hold at once: one from a forward to its
+    backward; in a split schedule ``W_MEMORY`` of one from B to W (B keeps what W reads), rounded up."""
+    live = peak = 0.0
+    for a in actions:
+        live += {Kind.F: 1.0, Kind.B: (W_MEMORY - 1.0) if split else -1.0, Kind.W: -W_MEMORY}.get(a.kind, 0.0)
+        peak = max(peak, live)
+    return math.ceil(peak - 1e-9)
 
 
 def _check_transfers(schedule: Schedule) -> list[str]:

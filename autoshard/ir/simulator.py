@@ -17,25 +17,30 @@ import math
 from dataclasses import dataclass, field
 from xml.sax.saxutils import escape
 
-from autoshard.ir.schedule import Action, Kind, Schedule, dependencies, execution_order
+from autoshard.ir.schedule import W_MEMORY, Action, Kind, Schedule, dependencies, execution_order
 
 
 @dataclass(frozen=True)
 class Costs:
     """Per-stage costs of one microbatch: ``forward[s]`` and ``backward[s]`` in seconds,
     ``activation_bytes[s]`` saved by the forward of stage s until its backward, and the latency of one
-    boundary transfer between ranks (``p2p``)."""
+    boundary transfer between ranks (``p2p``). ``weight[s]``: the part of ``backward[s]`` a split schedule
+    runs as W (the weight gradients); None: half of it (the zero-bubble paper's B = W)."""
     forward: tuple
     backward: tuple
     activation_bytes: tuple
     p2p: float = 0
+    weight: tuple | None = None
+
+    def w(self, stage: int):
+        return self.weight[stage] if self.weight is not None else self.backward[stage] / 2
 
     @staticmethod
     def uniform(num_stages: int, forward, backward, activation_bytes: int = 0, p2p=0) -> Costs:
         return Costs((forward,) * num_stages, (backward,) * num_stages, (activation_bytes,) * num_stages, p2p)
 
     def check(self, schedule: Schedule) -> None:
-        for name in ("forward", "backward", "activation_bytes"):
+        for name in ("forward", "backward", "activation_bytes") + (("weight",) if self.weight is not None else ()):
             if len(getattr(self, name)) != schedule.num_stages:
                 raise ValueError(f"Costs.{name} has {len(getattr(self, name))} entries but schedule "
                                  f"{schedule.name!r} has pp * v = {schedule.num_stages} stages; give one per stage")
@@ -52,7 +57,8 @@ class Span:
 @dataclass
 class Timeline:
     """The simulated step. ``busy[r]`` is rank r's compute time, ``peak_activation_bytes[r]`` the most
-    activation bytes it held at once (forwards whose backward had not yet run)."""
+    activation bytes it held at once (forwards whose backward had not yet run; in a split schedule,
+    ``W_MEMORY`` of a microbatch's from its B to its W)."""
     name: str
     pp: int
     spans: dict[int, list[Span]]
@@ -74,12 +80,12 @@ class Timeline:
         return (self.pp * self.step_time - busy) / busy
 
     def to_svg(self, path: str, width: int = 1000) -> None:
-        """Draw one row per rank, one box per forward (blue) or backward (orange) labelled with its text
+        """Draw one row per rank, one box per forward (blue), backward (orange) or W (green) labelled with its text
         form, on a time axis in ms. Hand-written SVG: opens in any browser, needs no plotting library."""
         left, top, row, gap = 70, 40, 28, 6
         scale = (width - left - 20) / float(self.step_time or 1)  # px per second
         height = top + self.pp * (row + gap) + 40
-        colour = {Kind.F: "#4c78a8", Kind.B: "#f58518"}
+        colour = {Kind.F: "#4c78a8", Kind.B: "#f58518", Kind.W: "#54a24b"}
         title = (f"{escape(self.name)}: step {float(self.step_time) * 1e3:.6g} ms, bubble "
                  f"{float(self.bubble_fraction):.1%} of the step ({float(self.bubble_over_ideal):.1%} of ideal)")
         out = [(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -132,7 +138,10 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
     """Replay ``schedule`` (compute-only or lowered by ``add_communication``; both give the same times)
     and return its ``Timeline``. Raises ``ValueError`` if the schedule deadlocks."""
     costs.check(schedule)
-    rank_of = schedule.rank_of
+    rank_of, split = schedule.rank_of, schedule.split
+    # the share of a microbatch's activations each action frees: B all (in a split schedule all but what
+    # it keeps for W, ``W_MEMORY``), W the rest
+    frees = {Kind.B: 1 - W_MEMORY, Kind.W: W_MEMORY} if split else {Kind.B: 1}
     clock = {r: 0 for r in range(schedule.pp)}
     deps = dependencies(schedule)
     end: dict[Action, float] = {}
@@ -146,7 +155,9 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
         if action.kind is Kind.F:
             duration = costs.forward[action.stage]
         elif action.kind is Kind.B:
-            duration = costs.backward[action.stage]
+            duration = costs.backward[action.stage] - (costs.w(action.stage) if split else 0)
+        elif action.kind is Kind.W:
+            duration = costs.w(action.stage)
         else:
             duration = 0
         start = clock[r] if action.kind in (Kind.RECV_F, Kind.RECV_B) else ready
@@ -161,8 +172,8 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
             a = span.action
             if a.kind is Kind.F:
                 held += costs.activation_bytes[a.stage]
-            elif a.kind is Kind.B:
-                held -= costs.activation_bytes[a.stage]
+            elif a.kind in frees:
+                held -= costs.activation_bytes[a.stage] * frees[a.kind]
             most = max(most, held)
         peak[r] = most
     step = max(clock.values(), default=0)

@@ -34,6 +34,9 @@ def _sequence_gather(op, comm, x):
 
 
 def _column_parallel_matmul(op, comm, x, weight, bias=None):
+    if getattr(op, "defer_weight", False) and torch.is_grad_enabled() and weight.requires_grad:
+        # the weight goes in detached, its history held for W (as ir.weight_grad.deferred_linear does)
+        return C.ColumnParallelMatmul.apply(x, weight.detach(), bias, comm, op.transposed, [weight])
     return C.ColumnParallelMatmul.apply(x, weight, bias, comm, op.transposed)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from autoshard.ir import weight_grad
 from autoshard.runtime.layout import gather_full, take_shard
 
 
@@ -142,9 +143,9 @@ class ColumnParallelMatmul(torch.autograd.Function):
     gradients while it runs, then waits: Megatron's LinearWithGradAccumulationAndAsyncCommunication.
     """
     @staticmethod
-    def forward(ctx, x, weight, bias, comm, transposed):
+    def forward(ctx, x, weight, bias, comm, transposed, held=None):
         ctx.save_for_backward(x, weight)
-        ctx.comm, ctx.transposed, ctx.has_bias = comm, transposed, bias is not None
+        ctx.comm, ctx.transposed, ctx.has_bias, ctx.held = comm, transposed, bias is not None, held
         return F.linear(x, weight.t() if transposed else weight, bias)
 
     @staticmethod
@@ -155,10 +156,14 @@ class ColumnParallelMatmul(torch.autograd.Function):
         handle = ctx.comm.all_reduce_async(dx, "bwd") if ctx.needs_input_grad[0] else None
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         dw = db = None
-        if ctx.needs_input_grad[1]:
+        if ctx.held is not None:       # split_weight_grad: dW for the schedule's W (ir/weight_grad.py)
+            real, ctx.held = ctx.held[0], None
+            if not weight_grad.defer(x, g, real, ctx.transposed):
+                torch.autograd.backward(real, weight_grad.Deferred(x, g, real, ctx.transposed).grad().to(real.dtype))
+        elif ctx.needs_input_grad[1]:
             dw = x2.t().matmul(g2) if ctx.transposed else g2.t().matmul(x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g2.sum(0)
         if handle is not None:
             handle.wait()
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None

@@ -6,7 +6,10 @@ the step's leaves and the loss's divisor, and the module's transfer settings.
   the output until the backward, and queue the output for the next stage;
 - ``B``: ``autograd.backward`` from the output with the received gradient (from the loss on the last
   stage), queue the input's gradient for the previous stage, then drop both: an activation lives from
-  its forward to its backward and no longer;
+  its forward to its backward and no longer. In a split (zero-bubble) schedule the matmuls' weight
+  gradients are left for W (``ir/weight_grad.py``): B keeps their inputs and output gradients;
+- ``W``: those weight gradients, accumulated into the parameters (the dp reducer arms at a stage's last
+  W instead of its last B);
 - ``SEND_*``/``RECV_*``: consecutive transfers go out as one ``batch_isend_irecv`` per direction (each
   ordered pair of pp ranks has its own group, ``api._p2p_groups``: NCCL orders a group's transfers on one
   stream, and one group for both directions deadlocks the interleaved schedule); a receive is waited
@@ -26,6 +29,7 @@ import torch.nn as nn
 
 from autoshard.ir.schedule import Action, Kind
 from autoshard.ir.simulator import Span
+from autoshard.ir.weight_grad import WeightGrads, deferring
 from autoshard.runtime.clock import Recorded, StepClock
 
 class PipelineError(RuntimeError):
@@ -72,9 +76,13 @@ class Run:
         # receive buffers, the loss and its divisor live where the step computes (NCCL takes no CPU tensors)
         self.device = _step_device(self.leaves, users)
         self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        self.last_backward = {}                # stage -> its last B action this step (the reducer arms there)
+        # stage -> its last action that accumulates gradients this step (B; W in a split schedule): the
+        # reducer arms there
+        self.split = prog.schedule.split
+        self.weight_grads: dict = {}           # (stage, microbatch) -> WeightGrads, from B to W
+        self.last_backward = {}
         for a in prog.schedule.actions.get(self.me, []):
-            if a.kind is Kind.B:
+            if a.kind is (Kind.W if self.split else Kind.B):
                 self.last_backward[a.stage] = a
         self.param_storages = {t.untyped_storage().data_ptr() for t in self.leaves.values()} \
             if runner.measure_memory else set()
@@ -196,7 +204,15 @@ class Run:
             grad = self.denominator.reciprocal(out.dtype)
         t0 = self.clock.mark()
         if out.requires_grad:     # not when every parameter of a first stage is frozen: nothing to do
-            torch.autograd.backward(out, grad)
+            if self.split:
+                with deferring(WeightGrads()) as kept:
+                    torch.autograd.backward(out, grad)
+                self.weight_grads[a.stage, a.microbatch] = kept
+                kept_bytes = kept.nbytes if self.runner.measure_memory else 0
+                self.held += kept_bytes
+                self.peak = max(self.peak, self.held)
+            else:
+                torch.autograd.backward(out, grad)
         self.held -= nbytes
         if x is not None:
             if self.sched.rank_of(a.stage - 1) == self.me:
@@ -204,6 +220,17 @@ class Run:
             else:
                 self.outbox[("B", a.stage, a.microbatch)] = x.grad
         del x, out
+        self._done(a, t0)
+
+    def _weight(self, a: Action) -> None:
+        """W: the weight gradients B left for this stage and microbatch."""
+        kept = self.weight_grads.pop((a.stage, a.microbatch), None)
+        if self.reducer is not None and self.last_backward.get(a.stage) == a:
+            self.reducer.arm(a.stage)
+        t0 = self.clock.mark()
+        if kept is not None:
+            self.held -= kept.nbytes if self.runner.measure_memory else 0
+            kept.run()
         self._done(a, t0)
 
     def _done(self, a: Action, t0) -> None:
@@ -231,14 +258,15 @@ class Run:
         for a in actions:
             if a.is_compute:
                 self._flush()
-                (self._forward if a.kind is Kind.F else self._backward)(a)
+                {Kind.F: self._forward, Kind.B: self._backward, Kind.W: self._weight}[a.kind](a)
             elif a.kind in (Kind.SEND_F, Kind.SEND_B) or not up_front:
                 self._post(a)
         self._flush()
         for a, work, _ in self.sends:
             self._wait(a, work)
-        if self.saved:
-            raise RuntimeError(f"internal: the schedule left {sorted(self.saved)} without a backward")
+        if self.saved or self.weight_grads:
+            raise RuntimeError(f"internal: the schedule left {sorted(self.saved) or sorted(self.weight_grads)} "
+                               "without a backward or W")
         if self.denominator is not None:
             self.loss = self.loss / self.denominator.value()
 

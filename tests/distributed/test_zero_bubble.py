@@ -1,0 +1,38 @@
+"""Zero-bubble pipelines (``schedule="zb-h1"``) on gloo ranks: each stage's backward runs as B (the input
+gradient) and W (the matmuls' weight gradients, ``passes/weight_grad.py``), and ``pm.step`` must still
+match the single-device model on the whole batch: the loss, every gradient gathered to full shape, then
+3 AdamW steps, on batches whose microbatches hold different numbers of ignored targets. Covers the tied
+head (its two copies on two stages), full and selective recompute, tensor parallelism (the column-parallel
+matmul's deferred dW), data parallelism with ZeRO-1 (the dp buckets arm at a stage's last W), and the
+built-in GPT, HF GPT-2 and a Llama family model.
+"""
+from tests.distributed.test_pipeline import _check
+from tests.harness.distributed import run_distributed
+from tests.harness.pipeline_checks import run_configs
+
+GPT = dict(n_layer=4)
+ZB = dict(microbatches=4, schedule="zb-h1")
+
+TWO_RANKS = [
+    ("gpt", dict(pp=2), ZB, GPT),
+    ("gpt", dict(pp=2), dict(ZB, recompute=True, clip=0.05), GPT),
+    ("hf", dict(pp=2), ZB, {}),
+    ("hf", dict(pp=2), dict(ZB, recompute="selective"), {}),
+    ("family", dict(pp=2), dict(ZB, late_receives=True), dict(family="llama", hidden=32, heads=4, kv_heads=2)),
+]
+FOUR_RANKS = [
+    ("gpt", dict(pp=2, tp=2), ZB, GPT),
+    ("hf", dict(pp=2, tp=2), ZB, {}),
+    ("gpt", dict(dp=2, pp=2), dict(ZB, microbatches=2, zero=1), GPT),
+    ("gpt", dict(pp=4), ZB, dict(n_layer=4, tie_weights=False)),
+]
+
+
+def test_zero_bubble_two_ranks():
+    results = run_distributed(run_configs, 2, TWO_RANKS, timeout=600)
+    _check(TWO_RANKS, results)
+
+
+def test_zero_bubble_four_ranks():
+    results = run_distributed(run_configs, 4, FOUR_RANKS, timeout=600)
+    _check(FOUR_RANKS, results)

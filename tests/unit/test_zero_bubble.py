@@ -1,0 +1,128 @@
+"""Zero-bubble pipelines without processes: the ZB-H1 schedule as data (its bubble and memory against
+the closed forms, in exact Fractions), the split of backward into B and W (``ir/weight_grad.py``), and
+the pass that makes each parameter matmul's weight gradient wait for W (``passes/weight_grad.py``)."""
+from fractions import Fraction
+
+import pytest
+import torch
+
+from autoshard.ir.options import CompileOptions, PipelineOptions
+from autoshard.ir.schedule import (W_MEMORY, Action, Kind, Schedule, add_communication, make_schedule,
+                                   one_f_one_b, validate, zero_bubble_h1)
+from autoshard.ir.simulator import Costs, simulate
+from autoshard.ir.weight_grad import WeightGrads, deferred_linear, deferring
+from tests.unit.test_pipeline_compile import compile_pp
+from tests.harness.models import batch, build
+
+CASES = [(pp, m) for pp in (2, 3, 4, 8) for m in (pp, 2 * pp, 4 * pp)] + [(4, 6), (2, 1), (1, 3)]
+
+
+def costs(pp, activation_bytes=0):
+    """F = 1, B = 1, W = 1 per stage (the paper's assumption): a backward of 2, split in halves."""
+    return Costs.uniform(pp, Fraction(1), Fraction(2), activation_bytes)
+
+
+@pytest.mark.parametrize("pp,m", CASES)
+def test_zb_h1_is_a_valid_split_schedule(pp, m):
+    s = zero_bubble_h1(pp, m)
+    assert s.split and make_schedule("zb-h1", pp, m, 1).text() == s.text()
+    validate(s)
+    lowered = add_communication(s)
+    validate(lowered)
+    assert Schedule.from_text(lowered.text()) == lowered
+    for r, acts in s.actions.items():
+        for kind in (Kind.F, Kind.B, Kind.W):      # each once, in microbatch order (sends match receives)
+            assert [a.microbatch for a in acts if a.kind is kind] == list(range(m))
+        for a in acts:        # a W after its own B
+            if a.kind is Kind.W:
+                assert acts.index(Action(r, Kind.B, a.microbatch)) < acts.index(a)
+    assert not any(a.kind is Kind.W and a.kind.value in ("SEND", "RECV") for acts in lowered.actions.values()
+                   for a in acts)
+
+
+@pytest.mark.parametrize("pp,m", [c for c in CASES if c[1] >= c[0]])
+def test_zb_h1_bubble_is_p_minus_1_times_f_plus_b_minus_w(pp, m):
+    """Qi et al.: 1F1B idles (p-1)(F+B+W) a rank, ZB-H1 (p-1)(F+B-W): a third of it when F = B = W."""
+    zb, base = simulate(zero_bubble_h1(pp, m), costs(pp)), simulate(one_f_one_b(pp, m), costs(pp))
+    assert base.step_time == 3 * m + (pp - 1) * 3
+    assert zb.step_time == 3 * m + (pp - 1) * 1
+    assert zb.busy == base.busy == {r: 3 * m for r in range(pp)}
+    assert zb.bubble_over_ideal == base.bubble_over_ideal / 3 == Fraction(pp - 1, 3 * m)
+    labels = {span.action.kind for spans in zb.spans.values() for span in spans}
+    assert Kind.W in labels
+
+
+@pytest.mark.parametrize("pp,m", CASES)
+def test_zb_h1_holds_no_more_than_1f1b(pp, m):
+    """Activations from F to B, ``W_MEMORY`` of them from B to W: no rank above 1F1B's peak (its first
+    rank's), the paper's ZB-H1 promise."""
+    zb = simulate(zero_bubble_h1(pp, m), costs(pp, activation_bytes=1000))
+    base = simulate(one_f_one_b(pp, m), costs(pp, activation_bytes=1000))
+    assert max(zb.peak_activation_bytes.values()) <= max(base.peak_activation_bytes.values())
+    promised = validate(zero_bubble_h1(pp, m))
+    assert all(zb.peak_activation_bytes[r] <= 1000 * promised[r] for r in range(pp))
+    assert 0 < W_MEMORY < 1
+
+
+def test_w_svg_has_its_own_colour(tmp_path):
+    path = tmp_path / "zb.svg"
+    simulate(zero_bubble_h1(2, 4), costs(2)).to_svg(str(path))
+    text = path.read_text()
+    assert "0W3" in text and "#54a24b" in text
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_deferred_linear_leaves_dw_for_w_and_matches_autograd(transposed):
+    torch.manual_seed(0)
+    w = torch.randn(4, 6, requires_grad=True) if transposed else torch.randn(6, 4, requires_grad=True)
+    b = torch.randn(6, requires_grad=True)
+    x = torch.randn(2, 3, 4, requires_grad=True)
+
+    def weight():       # a cast on the way, as a bf16 or padded parameter input has
+        return w.to(torch.float64).to(torch.float32)
+    ((x @ weight() + b) if transposed else torch.nn.functional.linear(x, weight(), b)).square().sum().backward()
+    want = [t.grad.clone() for t in (x, w, b)]
+    for t in (x, w, b):
+        t.grad = None
+    kept = WeightGrads()
+    with deferring(kept):
+        deferred_linear(x, weight(), b, transposed).square().sum().backward()
+    assert w.grad is None and x.grad is not None and b.grad is not None    # B: the input's and the bias's
+    assert len(kept.items) == 1 and kept.nbytes > 0
+    kept.run()                                                                # W
+    for got, ref in zip((x.grad, w.grad, b.grad), want):
+        torch.testing.assert_close(got, ref)
+    x.grad = w.grad = b.grad = None       # outside a block it is an ordinary linear
+    deferred_linear(x, weight(), b, transposed).square().sum().backward()
+    torch.testing.assert_close(w.grad, want[1])
+
+
+def test_the_pass_defers_every_parameter_matmul():
+    from autoshard.passes.weight_grad import WEIGHT_GRAD_PLAN
+    model = build("gpt", n_layer=2)
+    prog = compile_pp(model, *batch("gpt", 96, B=4), schedule="zb-h1")
+    plan = prog.gm.meta[WEIGHT_GRAD_PLAN]
+    deferred = {d.parameter for d in plan.deferred}
+    for i in range(2):
+        for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+            assert f"transformer.h.{i}.{name}.weight" in deferred
+    assert "transformer.h.0.ln_1.weight" in plan.in_b and "transformer.h.0.ln_1.weight" not in deferred
+    targets = [n.target for n in prog.gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(deferred_linear) == len(plan.deferred)
+    assert prog.schedule.split
+    plain = compile_pp(build("gpt", n_layer=2), *batch("gpt", 96, B=4), schedule="1f1b")
+    assert WEIGHT_GRAD_PLAN not in plain.gm.meta and not plain.schedule.split
+
+
+def test_tensor_parallel_matmuls_defer_too():
+    from autoshard.ir import ops
+    from autoshard.passes.weight_grad import WEIGHT_GRAD_PLAN
+    prog = compile_pp(build("gpt", n_layer=2), *batch("gpt", 96, B=4), mesh={"pp": 2, "tp": 2}, schedule="zb-h1")
+    column = [m for m in prog.gm.modules() if isinstance(m, ops.ColumnParallelMatmul)]
+    assert column and all(m.defer_weight for m in column)
+    assert len(prog.gm.meta[WEIGHT_GRAD_PLAN].deferred) >= 8
+
+
+def test_zero_bubble_with_inductor_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="codegen='autoshard' or schedule='1f1b'"):
+        CompileOptions(codegen="inductor", pipeline=PipelineOptions(microbatches=4, schedule="zb-h1"))
