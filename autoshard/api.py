@@ -249,6 +249,9 @@ def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example
     out = _rank_dump_dir(options, rank)
     local, timings = run_passes(captured.gm, PassContext(spec, rank, _pins_by_graph_name(options, captured), out))
     plan = local.meta[STAGE_PLAN]
+    if plan.schedule is not None:      # the one pipeline_split priced (ZB-H1's is generated on the stages' costs)
+        schedule = add_communication(plan.schedule)
+        validate(schedule)
     chunks, plan.recomputed = split_chunks(local, plan)
     prog = PipelineProgram(captured, spec, rank, options, chunks, schedule, plan, local.meta[LOSS_REWRITE],
                            collective_records(local), D.model_symbols(captured.gm), time.perf_counter() - start,

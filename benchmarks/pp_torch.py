@@ -40,10 +40,12 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def torch_pipeline(gpt, cuts: list, pp_rank: int, pp: int, v: int, m: int, group=None):
+def torch_pipeline(gpt, cuts: list, pp_rank: int, pp: int, v: int, m: int, group=None, zero_bubble: bool = False):
     """``(schedule, stage modules)`` for this rank: ``Schedule1F1B`` (v = 1) or
-    ``ScheduleInterleaved1F1B`` over the chunks ``pp_rank, pp_rank + pp, ...``."""
+    ``ScheduleInterleaved1F1B`` over the chunks ``pp_rank, pp_rank + pp, ...``; with ``zero_bubble``,
+    ``ScheduleInterleavedZeroBubble`` (torch's ZB1P: its B/W split made by autograd at run time)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
     edges = [0] + list(cuts) + [len(gpt.transformer.h)]
     n = pp * v
     stages, modules = [], []
@@ -51,6 +53,8 @@ def torch_pipeline(gpt, cuts: list, pp_rank: int, pp: int, v: int, m: int, group
         mod = GPTChunk(gpt, edges[s], edges[s + 1], s == 0, s == n - 1)
         modules.append(mod)
         stages.append(PipelineStage(mod, s, n, collective_device(), group=group))
+    if zero_bubble:
+        return ScheduleInterleavedZeroBubble(stages, m, loss_fn=loss_fn), modules
     if v == 1:
         return Schedule1F1B(stages[0], m, loss_fn=loss_fn), modules
     return ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn), modules

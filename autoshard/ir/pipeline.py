@@ -52,6 +52,7 @@ class StagePlan:
     recomputed: dict = field(default_factory=dict)   # chunk -> input-only nodes it recomputes (not sent)
     stretches: list = field(default_factory=list)    # candidate-stretch index where each chunk after the first starts
     carried: list = field(default_factory=list)      # per boundary: names of the values sent beside it
+    schedule: object = None                      # the compute-only Schedule these stages run (priced with them)
 
     def sent(self, k: int) -> tuple:
         """The names of everything chunk k sends to chunk k+1, the residual stream first."""

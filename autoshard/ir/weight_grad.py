@@ -81,34 +81,34 @@ def defer(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, transposed: b
     return True
 
 
-class _DeferredLinear(torch.autograd.Function):
-    """``weight`` comes in detached, so autograd's B reaches nothing between the matmul and the
-    parameter (a node it reached would be run, and its saved tensors freed, before W needs it); the
-    weight with its history rides along in ``held``, for W."""
-    @staticmethod
-    def forward(ctx, x, weight, bias, transposed, held):
-        ctx.save_for_backward(x, weight)
-        ctx.held, ctx.transposed, ctx.has_bias = held, transposed, bias is not None
-        return F.linear(x, weight.t() if transposed else weight, bias)
+class _KeepForW:
+    """The hook on a deferred matmul's output: in B it receives ``dy`` and leaves ``(x, dy, W)`` for W.
+    The matmul itself is ATen's, on the detached weight, so autograd's B computes the input's and the
+    bias's gradients in C++ and reaches nothing between the matmul and the parameter (a node it reached
+    would run, and free its saved tensors, before W needs it)."""
+    __slots__ = ("x", "weight", "transposed")
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        w = weight.t() if ctx.transposed else weight                 # (out, in)
-        dx = dy.matmul(w) if ctx.needs_input_grad[0] else None
-        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        real, ctx.held = ctx.held[0], None
-        if real.requires_grad and not defer(x, dy, real, ctx.transposed):
+    def __init__(self, x, weight, transposed):
+        self.x, self.weight, self.transposed = x, weight, transposed
+
+    def __call__(self, dy):
+        x, weight, self.x, self.weight = self.x, self.weight, None, None
+        if not defer(x, dy, weight, self.transposed):
             # no block open (a backward outside the schedule's B): the weight's gradient now, through
             # autograd from the weight as the graph saw it (a reentrant backward)
-            torch.autograd.backward(real, Deferred(x, dy, real, ctx.transposed).grad().to(real.dtype))
-        return dx, None, db, None, None
+            torch.autograd.backward(weight, Deferred(x, dy, weight, self.transposed).grad().to(weight.dtype))
 
 
 def deferred_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                     transposed: bool = False) -> torch.Tensor:
     """``x W^T + b`` (``x W + b`` when ``transposed``) whose weight gradient waits for W inside a
     ``deferring`` block. On meta tensors (the compiler's shape runs) and without autograd, a plain linear."""
+    w = weight.t() if transposed else weight
     if x.is_meta or not torch.is_grad_enabled() or not weight.requires_grad:
-        return F.linear(x, weight.t() if transposed else weight, bias)
-    return _DeferredLinear.apply(x, weight.detach(), bias, transposed, [weight])
+        return F.linear(x, w, bias)
+    y = F.linear(x, w.detach(), bias)
+    if y.requires_grad:
+        y.register_hook(_KeepForW(x.detach(), weight, transposed))
+    else:                 # nothing else needs a gradient: W alone would, so keep autograd's own dW
+        y = F.linear(x, w, bias)
+    return y

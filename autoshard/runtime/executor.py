@@ -208,12 +208,13 @@ class Run:
                 with deferring(WeightGrads()) as kept:
                     torch.autograd.backward(out, grad)
                 self.weight_grads[a.stage, a.microbatch] = kept
-                kept_bytes = kept.nbytes if self.runner.measure_memory else 0
-                self.held += kept_bytes
-                self.peak = max(self.peak, self.held)
+                # after B: the forward's saved tensors are gone, what W reads stays (counted, as a
+                # forward's are, once B is done: the transient of the backward itself is neither's)
+                self.held += kept.nbytes if self.runner.measure_memory else 0
             else:
                 torch.autograd.backward(out, grad)
         self.held -= nbytes
+        self.peak = max(self.peak, self.held)
         if x is not None:
             if self.sched.rank_of(a.stage - 1) == self.me:
                 self.inbox[("B", a.stage - 1, a.microbatch)] = x.grad
