@@ -1,8 +1,8 @@
 """Zero-bubble pipelines against 1F1B and against torch.distributed.pipelining's own schedules.
 
-    python -m benchmarks.pp_zero_bubble [--m 8] [--steps 6] [--out benchmarks/results]
+    python -m benchmarks.pp_zero_bubble [--pp 2] [--m 8] [--steps 6] [--out benchmarks/results]
 
-One job of pp = 2 gloo ranks (NCCL on GPUs) trains the built-in GPT (8 layers, untied head, the same
+One job of ``--pp`` (2) gloo ranks (NCCL on GPUs) trains the built-in GPT (8 layers, untied head, the same
 cuts and weights everywhere) four ways: autoshard's ``schedule="1f1b"`` and ``"zb-h1"``, and torch's
 ``Schedule1F1B`` and ``ScheduleInterleavedZeroBubble`` (ZB1P, one stage a rank). The losses must agree
 first; then the four are timed in turn, step after step (A B C D A B C D ...), a step's time being the
@@ -101,7 +101,7 @@ def _rank(rank, world, job):
     for name, pm in ours.items():
         tl = pm.measured_timeline()          # every rank: it gathers the ranks' spans
         if rank == 0 and job["out"] != "none":
-            path = os.path.join(job["out"], f"zb_timeline_{name}.svg")
+            path = os.path.join(job["out"], f"zb_timeline_pp{world}_{name}.svg")
             tl.to_svg(path)
             svgs[name] = os.path.basename(path)
     top = {k: torch.tensor([float(v)], device=collective_device()) for k, v in peak.items()}
@@ -118,14 +118,14 @@ def closed_forms(pp: int, m: int, kinds: dict) -> dict:
     return {"1f1b": (pp - 1) / m, "zb-h1": (pp - 1) * (f + b - w) / (m * (f + b + w))}
 
 
-def markdown(res: dict, job: dict) -> str:
-    pp, m = 2, job["m"]
+def markdown(res: dict, job: dict, pp: int = 2) -> str:
+    m = job["m"]
     closed = closed_forms(pp, m, res["kinds"])
     s, pk = res["step"], res["peak"]
     lines = ["# Zero-bubble pipelines (`python -m benchmarks.pp_zero_bubble`)", "",
              f"GPT: {job['layers']} layers (untied head), hidden {job['hidden']}, seq {job['seq']}, vocab {job['vocab']}, "
-             f"batch {job['batch']} in m={m} microbatches; pp={pp} gloo ranks, the same cuts {job['layers'] // 2}+"
-             f"{job['layers'] // 2} and weights for all four; {job['steps']} timed steps after {job['warmup']}, in turn; "
+             f"batch {job['batch']} in m={m} microbatches; pp={pp} gloo ranks (on 2 cores), {job['layers'] // pp} layers a "
+             f"stage, the same cuts and weights for all four; {job['steps']} timed steps after {job['warmup']}, in turn; "
              f"loss {res['loss']:.6f} on all four.", "",
              "| schedule | step ms | vs torch 1F1B | vs torch ZB | measured bubble | closed form | peak saved MiB |",
              "|---|---|---|---|---|---|---|"]
@@ -146,6 +146,7 @@ def markdown(res: dict, job: dict) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--m", type=int, default=8)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=128)
@@ -157,14 +158,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", default=OUT)
     ns = ap.parse_args(argv)
-    job = {k: v for k, v in vars(ns).items() if k != "timeout"}
+    job = {k: v for k, v in vars(ns).items() if k not in ("timeout", "pp")}
     if ns.out != "none":
         os.makedirs(ns.out, exist_ok=True)
-    res = launch(_rank, 2, job, timeout=ns.timeout)[0]
-    text = markdown(res, job)
+    res = launch(_rank, ns.pp, job, timeout=ns.timeout)[0]
+    text = markdown(res, job, ns.pp)
     print(text)
     if ns.out != "none":
-        with open(os.path.join(ns.out, "zero_bubble.md"), "w") as f:
+        with open(os.path.join(ns.out, f"zero_bubble{'' if ns.pp == 2 else f'_pp{ns.pp}'}.md"), "w") as f:
             f.write(text)
     return res
 

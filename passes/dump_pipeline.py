@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from autoshard.ir import meta as M
 from autoshard.ir.schedule import Schedule
 from autoshard.ir.simulator import Costs, simulate
 from autoshard.passes import dump as D
@@ -18,16 +19,58 @@ def _mib(n) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def closed_form(schedule: Schedule) -> float:
-    """The ideal bubble over compute time: ``(p-1)/m``, or ``(p-1)/(v m)`` interleaved."""
-    return (schedule.pp - 1) / (schedule.virtual * schedule.microbatches)
+def closed_form(schedule: Schedule, costs=None) -> float:
+    """The ideal bubble over compute time: ``(p-1)/m``, or ``(p-1)/(v m)`` interleaved; for a split
+    (zero-bubble) schedule ``(p-1)(F + B - W) / (m (F + B + W))`` (Qi et al.), from the stages' mean
+    costs (a third of 1F1B's when F = B = W)."""
+    p, m, v = schedule.pp, schedule.microbatches, schedule.virtual
+    if schedule.split and costs is not None:
+        n = len(costs.forward)
+        f = sum(costs.forward) / n
+        w = sum(costs.w(s) for s in range(n)) / n
+        b = sum(costs.backward) / n - w
+        return (p - 1) * (f + b - w) / (m * (f + b + w))
+    return (p - 1) / (v * m)
+
+
+def weight_grad_lines(prog) -> list:
+    """The ``## B and W`` section: per stage, the matmuls whose weight gradient W computes and the bytes
+    B keeps for them a microbatch (each matmul's input and output gradient, from the compiled shapes)."""
+    from autoshard.ir.weight_grad import deferred_linear
+    from autoshard.passes.weight_grad import parameter_of
+    if not prog.schedule.split:
+        return []
+    L = ["## B and W (zero-bubble split of each backward)", "",
+         "B computes the stage input's gradient (sent to the previous stage) and the gradients of parameters "
+         "outside matmuls; W the matmuls' weight gradients, from each one's input and output gradient, which "
+         "B keeps. A stage-0 backward whose W the schedule runs right after it runs whole (nothing waits for "
+         "its B).", "",
+         "| stage | matmuls in W | their weights | kept from B to W / microbatch | left in B |", "|---|---|---|---|---|"]
+    for c in prog.chunks:
+        nodes = [n for n in c.gm.graph.nodes if n.op == "call_function" and n.target is deferred_linear]
+        kept = sum(_nbytes(n.args[0]) + _nbytes(n) for n in nodes)
+        params = [parameter_of(n.args[1]) for n in nodes]
+        in_w = {M.NAME.get(p, None) for p in params if p is not None}
+        weights = len(in_w)
+        left = [p for p in c.param_names if p not in in_w]
+        L.append(f"| {c.index} | {len(nodes)} | {weights} | {_mib(kept)} | "
+                 + (", ".join(f"`{p}`" for p in left[:8]) + (" ..." if len(left) > 8 else "") or "-") + " |")
+    return L + [""]
+
+
+def _nbytes(node) -> int:
+    val = getattr(node, "meta", {}).get("val")
+    return val.numel() * val.element_size() if hasattr(val, "numel") else 0
+
+
+def _costs(prog) -> Costs:
+    plan = prog.plan
+    return Costs(tuple(c.forward_seconds for c in plan.costs), tuple(c.backward_seconds for c in plan.costs),
+                 tuple(c.activation_bytes for c in plan.costs))
 
 
 def simulated(prog):
-    plan, sched = prog.plan, prog.schedule
-    return simulate(sched, Costs(tuple(c.forward_seconds for c in plan.costs),
-                                 tuple(c.backward_seconds for c in plan.costs),
-                                 tuple(c.activation_bytes for c in plan.costs)))
+    return simulate(prog.schedule, _costs(prog))
 
 
 def write_pipeline(prog, out: str) -> None:
@@ -76,10 +119,14 @@ def write_pipeline(prog, out: str) -> None:
     L += ["## Loss over microbatches", "",
           ("Exact: " if loss.exact else "Fallback, the mean of microbatch means (wrong when microbatches hold "
            "different numbers of targets): ") + loss.reason, ""]
+    L += weight_grad_lines(prog)
     L += ["## Schedule", "", "```", sched.text(), "```", ""]
+    if plan.schedule_choice:
+        L += [plan.schedule_choice, ""]
+    form = "(p-1)(F+B-W)/(m(F+B+W))" if sched.split else "(p-1)/(v m)"
     L += ["## Timelines", "",
           f"Simulated bubble {sim.bubble_over_ideal:.3f} of the ideal step; closed form "
-          f"(p-1)/(v m) = {closed_form(sched):.3f}.", "",
+          f"{form} = {closed_form(sched, _costs(prog)):.3f}.", "",
           "| simulated | measured (second pm.step; the first is warm-up) |", "|---|---|",
           "| ![simulated](simulated.svg) | ![measured](measured.svg) |", "",
           "The measured bubble and peak memory: [measured.md](measured.md) (written by pm.step).", ""]

@@ -1,4 +1,5 @@
-"""Split each stage's backward into B and W, for the zero-bubble schedules (``schedule="zb-h1"``).
+"""Split each stage's backward into B and W, for the zero-bubble schedules (``schedule="zb-h1"``, or
+``"auto"`` when it chooses one: the pass reads the schedule ``pipeline_split`` planned).
 
 Qi et al. (ICLR 2024) split a pipeline stage's backward in two: B, the gradient of the stage's input,
 which the previous stage is waiting for, and W, the weights' gradients, which nobody waits for, so a
@@ -25,7 +26,7 @@ import torch.fx as fx
 
 from autoshard.ir import meta as M
 from autoshard.ir import ops
-from autoshard.ir.schedule import SPLIT_SCHEDULES
+from autoshard.ir.pipeline import STAGE_PLAN
 from autoshard.ir.weight_grad import deferred_linear
 
 aten = torch.ops.aten
@@ -84,8 +85,8 @@ def _matmul_operands(node: fx.Node):
 
 
 def split_weight_grad_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
-    pipe = ctx.options.pipeline
-    if pipe is None or pipe.schedule not in SPLIT_SCHEDULES:
+    plan = gm.meta.get(STAGE_PLAN)
+    if ctx.options.pipeline is None or plan is None or plan.schedule is None or not plan.schedule.split:
         return gm
     deferred = []
     for node in list(gm.graph.nodes):

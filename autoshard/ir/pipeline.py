@@ -53,6 +53,7 @@ class StagePlan:
     stretches: list = field(default_factory=list)    # candidate-stretch index where each chunk after the first starts
     carried: list = field(default_factory=list)      # per boundary: names of the values sent beside it
     schedule: object = None                      # the compute-only Schedule these stages run (priced with them)
+    schedule_choice: str = ""                    # schedule="auto": what it chose and why
 
     def sent(self, k: int) -> tuple:
         """The names of everything chunk k sends to chunk k+1, the residual stream first."""

@@ -61,6 +61,19 @@ class WeightGrads:
 
 
 _open: list = []        # the innermost open block's WeightGrads, if any
+_whole: list = []       # non-empty: matmuls run whole (their dW in B), as ``whole_backward`` asks
+
+
+@contextlib.contextmanager
+def whole_backward():
+    """Within the block, ``deferred_linear`` is ATen's linear: its backward computes ``dW`` with ``dx``.
+    For a B whose W the schedule runs right after it and whose input gradient nobody waits for (the
+    first stage's): splitting it would only cost a second pass over cold inputs."""
+    _whole.append(True)
+    try:
+        yield
+    finally:
+        _whole.pop()
 
 
 @contextlib.contextmanager
@@ -104,7 +117,7 @@ def deferred_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """``x W^T + b`` (``x W + b`` when ``transposed``) whose weight gradient waits for W inside a
     ``deferring`` block. On meta tensors (the compiler's shape runs) and without autograd, a plain linear."""
     w = weight.t() if transposed else weight
-    if x.is_meta or not torch.is_grad_enabled() or not weight.requires_grad:
+    if x.is_meta or not torch.is_grad_enabled() or not weight.requires_grad or _whole:
         return F.linear(x, w, bias)
     y = F.linear(x, w.detach(), bias)
     if y.requires_grad:

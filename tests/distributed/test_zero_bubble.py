@@ -15,6 +15,7 @@ ZB = dict(microbatches=4, schedule="zb-h1")
 
 TWO_RANKS = [
     ("gpt", dict(pp=2), ZB, GPT),
+    ("gpt", dict(pp=2), dict(ZB, schedule="auto"), GPT),
     ("gpt", dict(pp=2), dict(ZB, recompute=True, clip=0.05), GPT),
     ("hf", dict(pp=2), ZB, {}),
     ("hf", dict(pp=2), dict(ZB, recompute="selective"), {}),

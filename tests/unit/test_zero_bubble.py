@@ -126,3 +126,34 @@ def test_tensor_parallel_matmuls_defer_too():
 def test_zero_bubble_with_inductor_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="codegen='autoshard' or schedule='1f1b'"):
         CompileOptions(codegen="inductor", pipeline=PipelineOptions(microbatches=4, schedule="zb-h1"))
+
+
+def test_auto_picks_the_shortest_simulated_step_and_says_why():
+    """``schedule="auto"`` prices 1F1B and ZB-H1 on the same cuts and runs the faster: its predicted step
+    is the least of the two, which compiled on their own predict."""
+    model, args = build("gpt", n_layer=4), batch("gpt", 96, B=8)
+    steps = {name: compile_pp(model, *args, microbatches=8, schedule=name).plan.predicted_step
+             for name in ("1f1b", "zb-h1")}
+    auto = compile_pp(model, *args, microbatches=8, schedule="auto")
+    chosen = auto.schedule.name.split("_")[0]
+    assert chosen in steps and auto.plan.predicted_step == pytest.approx(min(steps.values()))
+    assert auto.plan.predicted_step == pytest.approx(steps[chosen])
+    assert "1f1b" in auto.plan.schedule_choice and "zb-h1" in auto.plan.schedule_choice
+    assert auto.schedule.split == (chosen == "zb-h1")
+    options = CompileOptions(codegen="inductor", pipeline=PipelineOptions(microbatches=8, schedule="auto"))
+    import autoshard
+    whole = autoshard.compile_pipeline(model, {"pp": 2}, 0, *args, options)
+    assert not whole.schedule.split and "inductor" in whole.plan.schedule_choice
+
+
+def test_zb_h1_keeps_each_rank_within_1f1bs_whole_peak():
+    """With stages of unequal activations and parameters (an LM head on the last), the generator holds
+    back W only where the rank's parameters plus what it holds stay under 1F1B's highest rank."""
+    pp, m = 4, 8
+    act, resident = [4.0, 4.0, 4.0, 6.0], [10.0, 8.0, 8.0, 14.0]
+    s = zero_bubble_h1(pp, m, activation=act, resident=resident)
+    costs = Costs((1,) * pp, (2,) * pp, tuple(act))
+    zb, base = simulate(s, costs), simulate(one_f_one_b(pp, m), costs)
+    whole = {r: zb.peak_activation_bytes[r] + resident[r] for r in range(pp)}
+    assert max(whole.values()) <= max(base.peak_activation_bytes[r] + resident[r] for r in range(pp)) + 1e-9
+    assert zb.step_time < base.step_time

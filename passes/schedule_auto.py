@@ -1,0 +1,51 @@
+"""``schedule="auto"``: the pipeline schedule with the shortest simulated step that fits the memory limit.
+
+Once the stages are cut, each candidate schedule is generated on their costs and replayed by the
+simulator (``ir/simulator.py``): the step time, and per rank the parameters plus the activations the
+schedule keeps in flight. The fastest within ``memory_limit`` wins; ``pipeline.md`` says what each
+candidate predicted and why the winner won. The candidates are the one-stage-per-rank schedules, 1F1B
+and ZB-H1 (and only 1F1B where a split backward cannot run: ``codegen="inductor"``): an interleaved
+schedule has ``pp x v`` stages, which are cut differently, so it is chosen by ``virtual_stages``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.ir.options import resolved_codegen
+from autoshard.ir.schedule import make_schedule
+from autoshard.ir.simulator import Costs
+
+CANDIDATES = ("1f1b", "zb-h1")
+
+
+@dataclass(frozen=True)
+class Priced:
+    """One candidate schedule on the chosen cuts."""
+    name: str
+    schedule: object
+    costs: list
+    step: float
+    peak: dict            # pp rank -> bytes (parameters, gradients, AdamW state, activations in flight)
+    fits: bool
+
+
+def choose_schedule(predict, cuts, pp: int, m: int, first_costs: list, memory_limit, codegen: str) -> tuple:
+    """``(Priced winner, reason)``. ``predict(cuts, schedule) -> (costs, step, peak)`` prices a schedule on
+    the cuts (``pipeline_split.predict``); ``first_costs`` are the stages' costs it gave for 1F1B."""
+    names = CANDIDATES if resolved_codegen(codegen) != "inductor" else ("1f1b",)
+    costs = Costs(tuple(c.forward_seconds for c in first_costs), tuple(c.backward_seconds for c in first_costs),
+                  tuple(c.activation_bytes for c in first_costs))
+    priced = []
+    for name in names:
+        schedule = make_schedule(name, pp, m, 1, costs, [c.param_bytes for c in first_costs])
+        stage_costs, step, peak = predict(cuts, schedule)
+        fits = memory_limit is None or max(peak.values()) <= memory_limit
+        priced.append(Priced(name, schedule, stage_costs, step, peak, fits))
+    fitting = [p for p in priced if p.fits] or priced      # none fits: the balancer has said so already
+    best = min(fitting, key=lambda p: (p.step, names.index(p.name)))
+    parts = [f"{p.name} {p.step * 1e3:.3f} ms, peak {max(p.peak.values()) / 2**20:.2f} MiB"
+             + ("" if p.fits else f" (over memory_limit={memory_limit / 2**20:.2f} MiB)") for p in priced]
+    why = (f"schedule='auto' chose {best.name}: the shortest predicted step"
+           + (" within memory_limit" if memory_limit is not None else "") + " of " + "; ".join(parts) + "."
+           + ("" if len(names) > 1 else " (codegen='inductor' runs whole backwards: no split schedule.)"))
+    return best, why
