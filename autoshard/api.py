@@ -348,7 +348,7 @@ def _user_memory_settings(keywords: dict, options: CompileOptions | None, plan) 
         return set(_MEMORY_SETTINGS)
     if options is not None:
         return {k for k, default in _MEMORY_SETTINGS.items() if getattr(options, k) != default}
-    return {k for k in _MEMORY_SETTINGS if k in keywords}
+    return {k for k, default in _MEMORY_SETTINGS.items() if keywords.get(k, default) != default}
 
 
 def _memory_limited(model, spec, args, kwargs, options: CompileOptions, fixed: set, rank: int) -> tuple:

@@ -25,6 +25,7 @@ read, because a user's layer index is one).
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -383,6 +384,12 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                                                                 tuple(c.activation_bytes for c in costs)),
                                  [c.param_bytes for c in costs])
         costs, step, peak = predict(seg, cuts, schedule, tp, cm, cands)
+        _, base, _ = predict(seg, cuts, make_schedule("1f1b", pp, m, 1), tp, cm, cands)
+        choice = f"{opts.schedule} predicts {step * 1e3:.3f} ms a step, 1F1B {base * 1e3:.3f} ms on the same cuts."
+        if step > base * 1.001:
+            warnings.warn(f"schedule={opts.schedule!r} is predicted slower than 1F1B on these stages ({step * 1e3:.3f} "
+                          f"against {base * 1e3:.3f} ms: its split backward costs more than the bubble it fills, "
+                          "or uneven stages leave W little room); schedule='auto' picks the faster", stacklevel=2)
     plan = StagePlan(stages, [cands[c - 1].boundary.name for c in cuts], costs, how, len(cands), count, step, peak,
                      stretches=list(cuts), carried=[tuple(a.name for a in cands[c - 1].carried) for c in cuts],
                      schedule=schedule, schedule_choice=choice)

@@ -19,40 +19,21 @@ parameters whose gradients stay in B; ``pipeline.md`` prints it per stage.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.fx as fx
 
 from autoshard.ir import meta as M
 from autoshard.ir import ops
 from autoshard.ir.pipeline import STAGE_PLAN
-from autoshard.ir.weight_grad import deferred_linear
+from autoshard.ir.weight_grad import WEIGHT_GRAD_PLAN, DeferredMatmul, WeightGradPlan, deferred_linear
 
 aten = torch.ops.aten
-
-WEIGHT_GRAD_PLAN = "autoshard_weight_grad_plan"
 
 # ops that pass a parameter on unchanged but for layout or dtype: the weight a matmul reads through them
 # is still the parameter, and autograd carries W's gradient back along them
 _THROUGH = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default, aten.reshape.default,
             aten._unsafe_view.default, aten._to_copy.default, aten.to.dtype, aten.alias.default,
             aten.contiguous.default, aten.clone.default}
-
-
-@dataclass(frozen=True)
-class DeferredMatmul:
-    """One matmul whose weight gradient W computes."""
-    node: str
-    parameter: str
-    shape: tuple          # the weight's local shape
-
-
-@dataclass(frozen=True)
-class WeightGradPlan:
-    """What ``split_weight_grad`` moved to W, and which parameters keep their gradients in B."""
-    deferred: tuple       # DeferredMatmul
-    in_b: tuple           # parameter names whose gradients B computes (norms, biases, embeddings, ...)
 
 
 def parameter_of(node) -> fx.Node | None:

@@ -211,7 +211,6 @@ def options_from_keywords(**keywords) -> CompileOptions:
     pipeline = {PIPELINE_KEYWORDS[k]: keywords.pop(k) for k in list(keywords) if k in PIPELINE_KEYWORDS}
     if pipeline.get("microbatches") is None:
         pipeline["microbatches"] = 1
-    options = CompileOptions(**{k: v for k, v in keywords.items() if not (v is None and k in ("cost_model", "pins"))})
-    options.pipeline = PipelineOptions(**pipeline)
-    return options
+    return CompileOptions(**{k: v for k, v in keywords.items() if not (v is None and k in ("cost_model", "pins"))},
+                          pipeline=PipelineOptions(**pipeline))      # checked together (a split schedule's codegen)
 

@@ -240,6 +240,7 @@ def zero_bubble_h1(pp: int, m: int, f=1, b=1, w=1, activation=1, kept=None, resi
         return held + act[r] <= cap * (1 + 1e-9)
 
     while placed < total:
+        before = placed
         for r in range(pp):
             if free[r] > now:
                 continue
@@ -257,10 +258,12 @@ def zero_bubble_h1(pp: int, m: int, f=1, b=1, w=1, activation=1, kept=None, resi
             acts[r].append(choice)
             done[choice] = free[r] = now + cost
             placed += 1
+        if placed > before:       # a zero-cost action may have made another ready at this same time
+            continue
         later = [t for t in list(free) + list(done.values()) if t > now]
-        if not later and placed < total:
+        if not later:
             raise ValueError(f"zero_bubble_h1(pp={pp}, m={m}): no rank can move")   # cannot happen: W always can
-        now = min(later, default=now)
+        now = min(later)
     return Schedule("zb-h1", pp, 1, m, acts)
 
 

@@ -3,14 +3,16 @@
 A matmul with a parameter as its weight, ``y = x W^T (+ b)``, has two gradients: ``dx = dy W``, which
 the previous pipeline stage waits for, and ``dW = dy^T x``, which nobody waits for. The
 ``split_weight_grad`` pass (``passes/weight_grad.py``) makes each such matmul of a stage graph a call
-of ``deferred_linear``. Its backward computes ``dx`` (and the bias's gradient, a cheap sum) at once;
-while a ``deferring`` block is open (the executor's B action), it puts ``(x, dy, W)`` in that block's
-``WeightGrads`` instead of computing ``dW``. The W action then runs ``WeightGrads.run``: every ``dW``
+of ``deferred_linear``. Where the executor splits a microbatch (``splitting``: around its F, and
+around its B, whose recompute regions run the forward again), the matmul's backward computes ``dx``
+(and the bias's gradient, a cheap sum) at once and puts ``(x, dy, W)`` in the B's ``WeightGrads``
+(``deferring``) instead of computing ``dW``. The W action then runs ``WeightGrads.run``: every ``dW``
 of the microbatch, handed to autograd at the weight as the graph saw it, so a cast or a padded copy of
 the parameter passes its gradient on to the leaf, and the dp reducer's hooks fire, as a whole backward
-would. Outside such a block (a schedule without W, an eval) the op is an ordinary linear.
+would. Elsewhere (a schedule without W, an eval, a backward the executor runs whole) the op is ATen's
+linear.
 
-Only the runtime opens blocks; the pass and this record are data, and run nothing by themselves.
+Only the runtime opens blocks; the pass and these records are data, and run nothing by themselves.
 """
 from __future__ import annotations
 
@@ -19,6 +21,29 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+
+WEIGHT_GRAD_PLAN = "autoshard_weight_grad_plan"     # GraphModule.meta key: the WeightGradPlan (split_weight_grad)
+
+
+@dataclass(frozen=True)
+class DeferredMatmul:
+    """One matmul whose weight gradient W computes."""
+    node: str
+    parameter: str
+    shape: tuple          # the weight's local shape
+
+
+@dataclass(frozen=True)
+class WeightGradPlan:
+    """What ``split_weight_grad`` moved to W, and which parameters keep their gradients in B."""
+    deferred: tuple       # DeferredMatmul
+    in_b: tuple           # parameter names whose gradients B computes (norms, biases, embeddings, ...)
+
+    @property
+    def late(self) -> frozenset:
+        """The parameters whose gradients are final only at W."""
+        return frozenset(d.parameter for d in self.deferred)
 
 
 @dataclass
@@ -61,67 +86,73 @@ class WeightGrads:
 
 
 _open: list = []        # the innermost open block's WeightGrads, if any
-_whole: list = []       # non-empty: matmuls run whole (their dW in B), as ``whole_backward`` asks
+_splitting: list = []   # non-empty: deferred matmuls split (the executor's F and B of a split microbatch)
 
 
 @contextlib.contextmanager
-def whole_backward():
-    """Within the block, ``deferred_linear`` is ATen's linear: its backward computes ``dW`` with ``dx``.
-    For a B whose W the schedule runs right after it and whose input gradient nobody waits for (the
-    first stage's): splitting it would only cost a second pass over cold inputs."""
-    _whole.append(True)
+def splitting():
+    """Within the block, ``deferred_linear`` (and a deferring ``ColumnParallelMatmul``) leave their
+    weight gradients for W. The executor opens it around the F of every microbatch it splits and around
+    that microbatch's B (whose recomputed forwards must split alike); everywhere else (an eval, a
+    stage-0 backward it runs whole, a program without W) they are ATen's linear, autograd's dW in B."""
+    _splitting.append(True)
     try:
         yield
     finally:
-        _whole.pop()
+        _splitting.pop()
+
+
+def is_splitting() -> bool:
+    return bool(_splitting)
 
 
 @contextlib.contextmanager
 def deferring(grads: WeightGrads):
-    """Within the block, ``deferred_linear``'s backward leaves its weight gradients in ``grads``."""
+    """Within the block (a split microbatch's B), the deferred matmuls' backward leaves their weight
+    gradients in ``grads``."""
     _open.append(grads)
     try:
-        yield grads
+        with splitting():
+            yield grads
     finally:
         _open.pop()
 
 
-def defer(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, transposed: bool) -> bool:
-    """Leave one weight gradient for W if a block is open (True), else let the caller compute it."""
-    if not _open:
-        return False
+def defer(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, transposed: bool) -> None:
+    """Leave one weight gradient for W, in the open block's ``WeightGrads``."""
+    if not _open:       # the executor opens a block around every B of a microbatch whose F split
+        raise RuntimeError("internal: a split matmul's backward ran outside its B (no deferring block open): "
+                           "its weight gradient would be lost")
     _open[-1].items.append(Deferred(x, dy, weight, transposed))
-    return True
 
 
-class _KeepForW:
-    """The hook on a deferred matmul's output: in B it receives ``dy`` and leaves ``(x, dy, W)`` for W.
-    The matmul itself is ATen's, on the detached weight, so autograd's B computes the input's and the
-    bias's gradients in C++ and reaches nothing between the matmul and the parameter (a node it reached
-    would run, and free its saved tensors, before W needs it)."""
-    __slots__ = ("x", "weight", "transposed")
+class _DeferredLinear(torch.autograd.Function):
+    """``weight`` comes in detached, so autograd's B reaches nothing between the matmul and the
+    parameter (a node it reached would be run, and its saved tensors freed, before W needs it); the
+    weight with its history rides along in ``held``, for W. ``x`` is saved as autograd saves any
+    activation, so a recompute region drops and recomputes it, and the executor counts it."""
+    @staticmethod
+    def forward(ctx, x, weight, bias, transposed, held):
+        ctx.save_for_backward(x, weight)
+        ctx.held, ctx.transposed, ctx.has_bias = held, transposed, bias is not None
+        return F.linear(x, weight.t() if transposed else weight, bias)
 
-    def __init__(self, x, weight, transposed):
-        self.x, self.weight, self.transposed = x, weight, transposed
-
-    def __call__(self, dy):
-        x, weight, self.x, self.weight = self.x, self.weight, None, None
-        if not defer(x, dy, weight, self.transposed):
-            # no block open (a backward outside the schedule's B): the weight's gradient now, through
-            # autograd from the weight as the graph saw it (a reentrant backward)
-            torch.autograd.backward(weight, Deferred(x, dy, weight, self.transposed).grad().to(weight.dtype))
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        w = weight.t() if ctx.transposed else weight                 # (out, in)
+        dx = dy.matmul(w) if ctx.needs_input_grad[0] else None
+        db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        real, ctx.held = ctx.held[0], None
+        defer(x, dy, real, ctx.transposed)
+        return dx, None, db, None, None
 
 
 def deferred_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                     transposed: bool = False) -> torch.Tensor:
-    """``x W^T + b`` (``x W + b`` when ``transposed``) whose weight gradient waits for W inside a
-    ``deferring`` block. On meta tensors (the compiler's shape runs) and without autograd, a plain linear."""
-    w = weight.t() if transposed else weight
-    if x.is_meta or not torch.is_grad_enabled() or not weight.requires_grad or _whole:
-        return F.linear(x, w, bias)
-    y = F.linear(x, w.detach(), bias)
-    if y.requires_grad:
-        y.register_hook(_KeepForW(x.detach(), weight, transposed))
-    else:                 # nothing else needs a gradient: W alone would, so keep autograd's own dW
-        y = F.linear(x, w, bias)
-    return y
+    """``x W^T + b`` (``x W + b`` when ``transposed``) whose weight gradient waits for W when the
+    executor splits this microbatch (``splitting``); otherwise, and on meta tensors (the compiler's shape
+    runs), ATen's linear."""
+    if not _splitting or x.is_meta or not torch.is_grad_enabled() or not weight.requires_grad:
+        return F.linear(x, weight.t() if transposed else weight, bias)
+    return _DeferredLinear.apply(x, weight.detach(), bias, transposed, [weight])

@@ -275,19 +275,25 @@ def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, last_backw
     return exposed, _pointwise(cluster, opt_bytes) + host
 
 
-def stage_memory(shape: ModelShape, c: Candidate, rank: int, flash: bool = True) -> Memory:
+def stage_memory(shape: ModelShape, c: Candidate, rank: int, flash: bool = True, schedule: str = "1f1b",
+                 activation_bytes: int = BF16) -> Memory:
     """Bytes pipeline rank ``rank`` holds at its peak: the parameters, gradients and optimizer state of
     the most loaded rank (layers split evenly, the vocabulary on an end stage), and its own activations:
-    ``in_flight(p, m, v, rank)`` chunk-microbatches of its layers (1F1B's first rank p, its last one),
-    one layer's whole activations more while full recompute runs it again, and the fp32 logits and their
-    gradient on the rank that holds the LM head (the last)."""
+    ``in_flight(p, m, v, rank)`` chunk-microbatches of its layers (1F1B's first rank p, its last one;
+    GPipe's every rank m; ZB-H1's every rank up to 1F1B's first rank's), one layer's whole activations
+    more while full recompute runs it again, and the fp32 logits and their gradient on the rank that
+    holds the LM head (the last). ``activation_bytes``: of one activation element (2: bf16, Korthikanti's
+    formulas; 4 for fp32 training)."""
     params = _rank_params(shape, c)
     optimizer = params * 3 * FP32 / (c.dp if c.zero else 1)
-    per_layer = activation_bytes_per_layer(shape, c.b, c.tp, c.recompute, flash, c.sp)
+    scale = activation_bytes / BF16
+    per_layer = activation_bytes_per_layer(shape, c.b, c.tp, c.recompute, flash, c.sp) * scale
     chunk_layers = shape.layers / (c.pp * c.v)
-    held = in_flight(c.pp, c.m, c.v, rank) * chunk_layers * per_layer
+    microbatches = {"gpipe": c.m * c.v, "zb-h1": in_flight(c.pp, c.m, c.v, 0)}.get(schedule,
+                                                                                  in_flight(c.pp, c.m, c.v, rank))
+    held = microbatches * chunk_layers * per_layer
     if c.recompute == "full":     # one layer's whole activations while it is recomputed
-        held += activation_bytes_per_layer(shape, c.b, c.tp, "none", flash, c.sp)
+        held += activation_bytes_per_layer(shape, c.b, c.tp, "none", flash, c.sp) * scale
     if rank == c.pp - 1:
         held += 2 * FP32 * c.b * shape.seq * shape.vocab / c.tp     # the fp32 logits and their gradient
     return Memory(params * BF16, params * FP32, optimizer, held)

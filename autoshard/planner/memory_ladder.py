@@ -11,7 +11,8 @@ For a model, a mesh (dp, pp, tp) and a batch, the ways to hold less, in the orde
 4. full recompute (with SP where tp > 1): each layer keeps only its input and runs again.
 
 ``choose`` prices every rung with the planner's cost model (``cost.predict``): the bytes come from its
-``Memory`` (bf16 activations, 18 bytes a parameter: mixed-precision training's), the time from a
+``Memory`` (18 bytes a parameter; activations of the compute dtype, 4 bytes unless
+``mixed_precision="bf16"``; as many in flight as the schedule holds), the time from a
 cluster (a preset or ``Cluster.measure()``), which only ranks the rungs. The fastest rung that fits is
 chosen; when none does, ``MemoryLimitError`` says how many bytes each rank misses and what to try.
 
@@ -180,10 +181,12 @@ def rungs_for(tp: int, seq: int, recompute: str | None = None, sp: bool | None =
 
 def choose(shape: ModelShape, limit: float, *, dp: int = 1, pp: int = 1, tp: int = 1, b: int = 1, m: int = 1,
            v: int = 1, zero: int = 0, cluster="dgx-a100", flash: bool = True, recompute: str | None = None,
-           sp: bool | None = None) -> MemoryChoice:
+           sp: bool | None = None, schedule: str = "1f1b", activation_bytes: int = 2) -> MemoryChoice:
     """The fastest rung of the ladder whose most loaded rank fits in ``limit`` bytes (see the module
     docstring). ``recompute`` ("none", "selective", "full") or ``sp`` given: only rungs with that setting
-    (both given: only a check). Raises ``MemoryLimitError`` naming the bytes missing when none fits."""
+    (both given: only a check). ``schedule`` sets the microbatches in flight (GPipe holds all m), and
+    ``activation_bytes`` the bytes of an activation element (2 for bf16 compute, 4 for fp32). Raises
+    ``MemoryLimitError`` naming the bytes missing when none fits."""
     if not limit > 0:
         raise ValueError(f"memory_limit={limit!r}: give the bytes a rank may hold, a positive number")
     cluster = cluster_named(cluster)
@@ -192,18 +195,20 @@ def choose(shape: ModelShape, limit: float, *, dp: int = 1, pp: int = 1, tp: int
     for r, s in rungs_for(tp, shape.seq, recompute, sp):
         c = Candidate(dp, pp, tp, b, m, v, r, zero, s)
         q = predict(shape, cluster, c, flash)
-        stages = tuple(stage_memory(shape, c, rank, flash).total for rank in range(pp))
-        priced.append(Rung(r, s, tp, q.memory, stages, q.step_seconds))
+        per_stage = [stage_memory(shape, c, rank, flash, schedule, activation_bytes) for rank in range(pp)]
+        most = max(per_stage, key=lambda mem: mem.total)
+        priced.append(Rung(r, s, tp, most, tuple(mem.total for mem in per_stage), q.step_seconds))
     ladder = tuple(sorted(priced, key=lambda r: r.step_seconds))     # stable: ties keep the ladder's order
     chosen = next((r for r in ladder if r.bytes <= limit), None)
     if chosen is None:
         smallest = min(ladder, key=lambda r: r.bytes)
         raise MemoryLimitError(_nothing_fits(shape, limit, smallest, dp, pp, tp, b, m, v, zero, fixed, cluster,
-                                             flash), smallest.bytes, limit)
+                                             flash, schedule, activation_bytes), smallest.bytes, limit)
     return MemoryChoice(shape.name, dp, pp, tp, b, m, v, zero, float(limit), cluster.name, ladder, chosen, fixed)
 
 
-def _nothing_fits(shape, limit, smallest: Rung, dp, pp, tp, b, m, v, zero, fixed, cluster, flash) -> str:
+def _nothing_fits(shape, limit, smallest: Rung, dp, pp, tp, b, m, v, zero, fixed, cluster, flash, schedule,
+                  activation_bytes) -> str:
     """The error when no rung fits: the bytes missing, where they go, and what would make room."""
     mem, missing = smallest.memory, smallest.bytes - limit
     states = mem.parameters + mem.gradients + mem.optimizer
@@ -215,7 +220,8 @@ def _nothing_fits(shape, limit, smallest: Rung, dp, pp, tp, b, m, v, zero, fixed
            f"and optimizer state {size(states)}, activations {size(mem.activations)}). ")
     if fixed:
         try:
-            free = choose(shape, limit, dp=dp, pp=pp, tp=tp, b=b, m=m, v=v, zero=zero, cluster=cluster, flash=flash)
+            free = choose(shape, limit, dp=dp, pp=pp, tp=tp, b=b, m=m, v=v, zero=zero, cluster=cluster, flash=flash,
+                          schedule=schedule, activation_bytes=activation_bytes)
             return msg + (f"Leave {' and '.join(fixed)} out and memory_limit chooses {free.chosen.name} "
                           f"({size(free.chosen.bytes)}), which fits.")
         except MemoryLimitError:
@@ -288,5 +294,6 @@ def memory_options(model, spec, args, kwargs, options, fixed=frozenset(), cluste
     choice = choose(shape, limit, dp=spec.dp, pp=spec.pp, tp=spec.tp, b=max(1, rows // m), m=m,
                     v=popts.virtual_stages, zero=popts.zero, cluster=cluster or default_cluster(),
                     flash=attention_is_flash(model), recompute=recompute if "recompute" in fixed else None,
-                    sp=options.sequence_parallel if "sequence_parallel" in fixed else None)
+                    sp=options.sequence_parallel if "sequence_parallel" in fixed else None,
+                    schedule=popts.schedule, activation_bytes=2 if options.mixed_precision == "bf16" else 4)
     return dataclasses.replace(options, **choice.options()), choice

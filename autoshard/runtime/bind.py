@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autoshard.ir import ops
+from autoshard.ir import ops, weight_grad
 from autoshard.ir.options import resolved_codegen
 from autoshard.runtime import collectives as C
 from autoshard.runtime import traceable
@@ -34,7 +34,8 @@ def _sequence_gather(op, comm, x):
 
 
 def _column_parallel_matmul(op, comm, x, weight, bias=None):
-    if getattr(op, "defer_weight", False) and torch.is_grad_enabled() and weight.requires_grad:
+    if getattr(op, "defer_weight", False) and weight_grad.is_splitting() and torch.is_grad_enabled() \
+            and weight.requires_grad:
         # the weight goes in detached, its history held for W (as ir.weight_grad.deferred_linear does)
         return C.ColumnParallelMatmul.apply(x, weight.detach(), bias, comm, op.transposed, [weight])
     return C.ColumnParallelMatmul.apply(x, weight, bias, comm, op.transposed)

@@ -158,8 +158,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
         dw = db = None
         if ctx.held is not None:       # split_weight_grad: dW for the schedule's W (ir/weight_grad.py)
             real, ctx.held = ctx.held[0], None
-            if not weight_grad.defer(x, g, real, ctx.transposed):
-                torch.autograd.backward(real, weight_grad.Deferred(x, g, real, ctx.transposed).grad().to(real.dtype))
+            weight_grad.defer(x, g, real, ctx.transposed)
         elif ctx.needs_input_grad[1]:
             dw = x2.t().matmul(g2) if ctx.transposed else g2.t().matmul(x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -59,8 +59,9 @@ class GradReducer:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     first_bucket_bytes: int | None = None  # None: DEFAULT_FIRST_BUCKET_BYTES on CUDA, bucket_bytes on CPU
     buckets: list = field(default_factory=list)
-    armed: set = field(default_factory=set)
+    armed: set = field(default_factory=set)   # (stage, phase): phase None (all), "B" or "W" (split backward)
     waited: tuple | None = None           # (clock, start, end) of the last step's wait for the all-reduces
+    late: frozenset = frozenset()         # names whose gradients a split schedule's W computes (the rest: B)
 
     def __post_init__(self):
         self._next, self._of = 0, {}
@@ -115,14 +116,19 @@ class GradReducer:
             self._of[n] = len(self.buckets)
         self.buckets.append(b)
 
-    def arm(self, stage: int) -> None:
-        """The next backward of ``stage`` is its last in this step: its gradients are final after it."""
-        self.armed.add(stage)
+    def arm(self, stage: int, phase: str | None = None) -> None:
+        """The next backward of ``stage`` is its last in this step: its gradients are final after it. In a
+        split (zero-bubble) schedule, ``phase`` "B" arms the gradients B computes (before the stage's last
+        B) and "W" those its W computes (``late``, before the last W): each gradient counts once, at the
+        accumulation that finishes it."""
+        self.armed.add((stage, phase))
 
     def _ready(self, name):
+        phase = "W" if name in self.late else "B"
+
         def hook(leaf):
             b = self.buckets[self._of[name]]
-            if b.stage not in self.armed:
+            if (b.stage, None) not in self.armed and (b.stage, phase) not in self.armed:
                 return
             b.pending -= 1
             self._launch_ready()

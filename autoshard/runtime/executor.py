@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from autoshard.ir.schedule import Action, Kind
 from autoshard.ir.simulator import Span
-from autoshard.ir.weight_grad import WeightGrads, deferring, whole_backward
+from autoshard.ir.weight_grad import WeightGrads, deferring, splitting
 from autoshard.runtime.clock import Recorded, StepClock
 
 class PipelineError(RuntimeError):
@@ -79,15 +79,12 @@ class Run:
         self.loss = torch.zeros((), dtype=torch.float32, device=self.device)
         # stage -> its last action that accumulates gradients this step (B; W in a split schedule): the
         # reducer arms there
-        self.split = prog.schedule.split
+        mine = prog.schedule.actions.get(self.me, [])
+        # (stage, microbatch) whose backward runs as B then W: every W's, but the stage-0 ones run whole
+        whole = whole_backwards(mine)
+        self.split = {(a.stage, a.microbatch) for a in mine if a.kind is Kind.W} - whole
         self.weight_grads: dict = {}           # (stage, microbatch) -> WeightGrads, from B to W
-        self.whole = whole_backwards(prog.schedule.actions.get(self.me, [])) if self.split else set()
-        self.last_backward = {}
-        for a in prog.schedule.actions.get(self.me, []):
-            if a.kind is (Kind.W if self.split else Kind.B) and (a.stage, a.microbatch) not in self.whole:
-                self.last_backward[a.stage] = a
-            elif a.kind is Kind.B and (a.stage, a.microbatch) in self.whole:
-                self.last_backward[a.stage] = a
+        self.arms = arming_points(mine, self.split)
         self.param_storages = {t.untyped_storage().data_ptr() for t in self.leaves.values()} \
             if runner.measure_memory else set()
         self.held = self.peak = 0
@@ -180,7 +177,7 @@ class Run:
             self.param_inputs[a.stage] = self.runner.params.local_inputs(chunk.params, self.leaves)
         inputs = self.runner.stage_inputs(chunk, x, self.users[a.microbatch], self.param_inputs[a.stage])
         saved = _SavedBytes(self.param_storages) if self.runner.measure_memory else None
-        with whole_backward() if (a.stage, a.microbatch) in self.whole else contextlib.nullcontext():
+        with splitting() if (a.stage, a.microbatch) in self.split else contextlib.nullcontext():
             if saved is None:
                 out = graph(*inputs)
             else:
@@ -203,16 +200,12 @@ class Run:
         chunk = self.chunks[a.stage]
         x, out, nbytes = self.saved.pop((a.stage, a.microbatch))
         grad = None if chunk.last else self._take(("B", a.stage, a.microbatch))
-        if self.reducer is not None and self.last_backward.get(a.stage) == a:
-            self.reducer.arm(a.stage)
+        self._arm(a)
         if chunk.last:     # seed with 1 / (the global batch's count): the loss is the global mean
             grad = self.denominator.reciprocal(out.dtype)
         t0 = self.clock.mark()
         if out.requires_grad:     # not when every parameter of a first stage is frozen: nothing to do
-            if (a.stage, a.microbatch) in self.whole:
-                with whole_backward():      # a recomputed forward runs whole too
-                    torch.autograd.backward(out, grad)
-            elif self.split:
+            if (a.stage, a.microbatch) in self.split:     # a recomputed forward splits alike, inside the block
                 with deferring(WeightGrads()) as kept:
                     torch.autograd.backward(out, grad)
                 self.weight_grads[a.stage, a.microbatch] = kept
@@ -234,13 +227,20 @@ class Run:
     def _weight(self, a: Action) -> None:
         """W: the weight gradients B left for this stage and microbatch."""
         kept = self.weight_grads.pop((a.stage, a.microbatch), None)
-        if self.reducer is not None and self.last_backward.get(a.stage) == a:
-            self.reducer.arm(a.stage)
+        self._arm(a)
         t0 = self.clock.mark()
         if kept is not None:
             self.held -= kept.nbytes if self.runner.measure_memory else 0
             kept.run()
         self._done(a, t0)
+
+    def _arm(self, a: Action) -> None:
+        """Before the action after which a stage's gradients are final, tell the dp reducer so: their
+        hooks then launch the buckets as they fill. Split, the gradients W computes are final at the
+        stage's last W, the others (norms, biases, embeddings) at its last B."""
+        if self.reducer is not None:
+            for phase in self.arms.get(a, ()):
+                self.reducer.arm(a.stage, phase)
 
     def _done(self, a: Action, t0) -> None:
         self.record.spans.append(Span(a, t0, self.clock.mark()))
@@ -283,6 +283,29 @@ class Run:
         """The step's marks (``Recorded.timeline()`` reads them: on a GPU that waits for the step's work)."""
         self.record.end, self.record.peak = self.clock.mark(), self.peak
         return self.record
+
+
+def arming_points(actions: list, split: set) -> dict:
+    """``{action: phases}``: where the dp reducer arms (``DataParallelReducer.arm``). Unsplit, a stage's
+    last B finishes every gradient (phase None). Split, the gradients B computes ("B": outside the
+    matmuls W defers) are final at the stage's last B; the deferred ones ("W") at its last action that
+    computes them: a W, or a B run whole."""
+    last_b, last_w = {}, {}
+    for a in actions:
+        if a.kind is Kind.B:
+            last_b[a.stage] = a
+            if (a.stage, a.microbatch) not in split:
+                last_w[a.stage] = a
+        elif a.kind is Kind.W and (a.stage, a.microbatch) in split:
+            last_w[a.stage] = a
+    if not split:
+        return {a: (None,) for a in last_b.values()}
+    out: dict = {}
+    for stage, a in last_b.items():
+        out.setdefault(a, []).append("B")
+    for stage, a in last_w.items():
+        out.setdefault(a, []).append("W")
+    return out
 
 
 def whole_backwards(actions: list) -> set:

@@ -29,6 +29,7 @@ from autoshard.ir.errors import InputError
 from autoshard.ir.options import check_finite_enabled, dump_dir
 from autoshard.ir.pipeline import PipelineProgram
 from autoshard.ir.schedule import Kind
+from autoshard.ir.weight_grad import WEIGHT_GRAD_PLAN
 from autoshard.ir.simulator import Timeline
 from autoshard.runtime import training
 from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch, check_same_shapes_over_dp
@@ -118,8 +119,11 @@ class StepRunner:
             self.close()
             leaves = self.params.step_leaves(list(self.params.records))
             dp = self.module.comms["dp"]
+            split = getattr(self.program, "gm", None) is not None and WEIGHT_GRAD_PLAN in self.program.gm.meta
+            late = self.program.gm.meta[WEIGHT_GRAD_PLAN].late if split else frozenset()
             reducer = GradReducer(dp, leaves, {c.index: c.param_names for c in self.program.own},
-                                  self.module.bucket_bytes, self.module.first_bucket_bytes) if dp.size > 1 else None
+                                  self.module.bucket_bytes, self.module.first_bucket_bytes,
+                                  late=late) if dp.size > 1 else None
             self._leaves = (leaves, reducer)
         leaves, reducer = self._leaves
         if reducer is None:
@@ -285,9 +289,10 @@ class StepRunner:
         tl, out, sched = self.measured_timeline(), self.dump, self.schedule
         tl.to_svg(os.path.join(out, "measured.svg"))
         ideal = (sched.pp - 1) / (sched.virtual * sched.microbatches)
+        form = "1F1B's (p-1)/(v m), which a split schedule undercuts" if sched.split else "closed form"
         with open(os.path.join(out, "measured.md"), "w") as f:
             f.write(f"Measured (step {self.steps}{', with warm-up' if self.steps == 1 else ''}): step "
-                    f"{tl.step_time * 1e3:.1f} ms, bubble {tl.bubble_over_ideal:.3f} of the busy time (closed form "
+                    f"{tl.step_time * 1e3:.1f} ms, bubble {tl.bubble_over_ideal:.3f} of the busy time ({form} "
                     f"{ideal:.3f}); per rank busy " + ", ".join(f"{r}: {b * 1e3:.1f} ms" for r, b in tl.busy.items())
                     + "; peak saved activations " + ", ".join(f"{r}: {b / 2**20:.2f} MiB"
                                                              for r, b in tl.peak_activation_bytes.items()) + "\n")

@@ -118,7 +118,7 @@ def _gpt(**kw):
 
 def test_parallelize_applies_the_choice_and_trains_exactly(tmp_path, caplog):
     model, idx, tgt = _gpt()
-    free = choose(model_shape(model, 16), 1e15, b=4, flash=False)
+    free = choose(model_shape(model, 16), 1e15, b=4, flash=False, activation_bytes=4)   # fp32 training
     assert [r.name for r in free.rungs] == ["no recompute", "selective recompute", "full recompute"]
     limit = (free.rungs[0].bytes + free.rungs[1].bytes) / 2
     ref = copy.deepcopy(model)
@@ -150,7 +150,7 @@ def test_the_choice_at_tp_2_is_sequence_parallel_and_exact():
     model, idx, tgt = _gpt(dropout=0.0)
     spec = MeshSpec(tp=2)
     shape = model_shape(model, 16)
-    free = choose(shape, 1e15, tp=2, b=4, flash=False)
+    free = choose(shape, 1e15, tp=2, b=4, flash=False, activation_bytes=4)
     limit = free.rungs[2].bytes                                  # TP + SP + selective fits exactly
     options = autoshard.compile_options(loss_only=True, memory_limit=limit)
     chosen, choice = memory_options(model, spec, (idx, tgt), {}, options)
@@ -192,3 +192,20 @@ def test_plan_takes_a_memory_limit_below_the_clusters():
     assert roomy.best.label() == free.best.label()
     with pytest.raises(ValueError, match="fits gpt-1.7b in 1.0 KiB per GPU"):
         plan(shape, 8, DGX_A100, global_batch=64, memory_limit=1024).best
+
+
+def test_the_schedule_and_the_compute_dtype_set_the_activation_bytes():
+    """GPipe holds every microbatch on every rank (1F1B p - r), ZB-H1 up to 1F1B's first rank's on every
+    rank, and fp32 activations are twice bf16's: the ladder prices what the run will hold."""
+    c = Candidate(1, 4, 1, 1, 8, recompute="none")
+    one_f = [stage_memory(SHAPE, c, r, flash=False) for r in range(4)]
+    gpipe = [stage_memory(SHAPE, c, r, flash=False, schedule="gpipe") for r in range(4)]
+    zb = [stage_memory(SHAPE, c, r, flash=False, schedule="zb-h1") for r in range(4)]
+    fp32 = [stage_memory(SHAPE, c, r, flash=False, activation_bytes=4) for r in range(4)]
+    logits = 2 * 4 * SHAPE.seq * SHAPE.vocab          # the last rank's fp32 logits and gradient, whatever the rest
+    for r in range(4):
+        extra = logits if r == 3 else 0
+        assert gpipe[r].activations - extra == pytest.approx((one_f[r].activations - extra) * 8 / (4 - r))
+        assert zb[r].activations - extra == pytest.approx((one_f[0].activations) * 1.0)
+        assert fp32[r].activations - extra == pytest.approx(2 * (one_f[r].activations - extra))
+    assert choose(SHAPE, 1e15, pp=4, b=1, m=8, schedule="gpipe").chosen.bytes > choose(SHAPE, 1e15, pp=4, b=1, m=8).chosen.bytes

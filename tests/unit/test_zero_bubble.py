@@ -1,6 +1,7 @@
 """Zero-bubble pipelines without processes: the ZB-H1 schedule as data (its bubble and memory against
 the closed forms, in exact Fractions), the split of backward into B and W (``ir/weight_grad.py``), and
 the pass that makes each parameter matmul's weight gradient wait for W (``passes/weight_grad.py``)."""
+import weakref
 from fractions import Fraction
 
 import pytest
@@ -10,7 +11,7 @@ from autoshard.ir.options import CompileOptions, PipelineOptions
 from autoshard.ir.schedule import (W_MEMORY, Action, Kind, Schedule, add_communication, make_schedule,
                                    one_f_one_b, validate, zero_bubble_h1)
 from autoshard.ir.simulator import Costs, simulate
-from autoshard.ir.weight_grad import WeightGrads, deferred_linear, deferring
+from autoshard.ir.weight_grad import WeightGrads, deferred_linear, deferring, splitting
 from tests.unit.test_pipeline_compile import compile_pp
 from tests.harness.models import batch, build
 
@@ -85,20 +86,59 @@ def test_deferred_linear_leaves_dw_for_w_and_matches_autograd(transposed):
     for t in (x, w, b):
         t.grad = None
     kept = WeightGrads()
-    with deferring(kept):
-        deferred_linear(x, weight(), b, transposed).square().sum().backward()
+    with splitting():                                                         # F of a split microbatch
+        y = deferred_linear(x, weight(), b, transposed)
+    with deferring(kept):                                                     # its B
+        y.square().sum().backward()
     assert w.grad is None and x.grad is not None and b.grad is not None    # B: the input's and the bias's
     assert len(kept.items) == 1 and kept.nbytes > 0
     kept.run()                                                                # W
     for got, ref in zip((x.grad, w.grad, b.grad), want):
         torch.testing.assert_close(got, ref)
-    x.grad = w.grad = b.grad = None       # outside a block it is an ordinary linear
+    x.grad = w.grad = b.grad = None       # not splitting (an eval, a backward run whole): ATen's linear
     deferred_linear(x, weight(), b, transposed).square().sum().backward()
     torch.testing.assert_close(w.grad, want[1])
+    with splitting():                     # split, but its backward outside B: an error, never a lost dW
+        y = deferred_linear(x, weight(), b, transposed)
+    with pytest.raises(RuntimeError, match="outside its B"):
+        y.sum().backward()
+
+
+def test_a_split_matmul_inside_a_recompute_region_saves_its_input_through_autograd():
+    """Non-reentrant checkpoint drops what autograd saves and runs the region again in backward: the
+    matmul's input must be among those (not held aside), and W still gets the recomputed (x, dy)."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(16, 8, requires_grad=True), torch.randn(8, 16, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    inner = []
+
+    def region(h, split):
+        lin = deferred_linear if split else torch.nn.functional.linear
+        g = torch.nn.functional.gelu(lin(h, w1))
+        inner.append(weakref.ref(g))
+        return lin(g, w2)
+    checkpoint(region, x, False, use_reentrant=False).square().sum().backward()
+    want = [t.grad.clone() for t in (x, w1, w2)]
+    for t in (x, w1, w2):
+        t.grad = None
+    packed = []
+    with splitting(), torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = checkpoint(region, x, True, use_reentrant=False)
+    assert all(t is x or t.data_ptr() == x.data_ptr() for t in packed)   # only the region's input is kept
+    assert inner[-1]() is None            # the second matmul's input is not held aside: recompute frees it
+    kept = WeightGrads()
+    with deferring(kept):
+        y.square().sum().backward()
+    assert len(kept.items) == 2 and w1.grad is None
+    kept.run()
+    for got, ref in zip((x.grad, w1.grad, w2.grad), want):
+        torch.testing.assert_close(got, ref)
 
 
 def test_the_pass_defers_every_parameter_matmul():
-    from autoshard.passes.weight_grad import WEIGHT_GRAD_PLAN
+    from autoshard.ir.weight_grad import WEIGHT_GRAD_PLAN
     model = build("gpt", n_layer=2)
     prog = compile_pp(model, *batch("gpt", 96, B=4), schedule="zb-h1")
     plan = prog.gm.meta[WEIGHT_GRAD_PLAN]
@@ -116,7 +156,7 @@ def test_the_pass_defers_every_parameter_matmul():
 
 def test_tensor_parallel_matmuls_defer_too():
     from autoshard.ir import ops
-    from autoshard.passes.weight_grad import WEIGHT_GRAD_PLAN
+    from autoshard.ir.weight_grad import WEIGHT_GRAD_PLAN
     prog = compile_pp(build("gpt", n_layer=2), *batch("gpt", 96, B=4), mesh={"pp": 2, "tp": 2}, schedule="zb-h1")
     column = [m for m in prog.gm.modules() if isinstance(m, ops.ColumnParallelMatmul)]
     assert column and all(m.defer_weight for m in column)
@@ -124,8 +164,17 @@ def test_tensor_parallel_matmuls_defer_too():
 
 
 def test_zero_bubble_with_inductor_is_refused_with_the_fix():
+    import autoshard
     with pytest.raises(ValueError, match="codegen='autoshard' or schedule='1f1b'"):
         CompileOptions(codegen="inductor", pipeline=PipelineOptions(microbatches=4, schedule="zb-h1"))
+    with pytest.raises(ValueError, match="codegen='autoshard' or schedule='1f1b'"):     # as parallelize's keywords
+        autoshard.compile_options(codegen="inductor", microbatches=4, schedule="zb-h1")
+
+
+@pytest.mark.parametrize("costs", [dict(f=0), dict(w=0), dict(b=0), dict(f=[1, 0, 1], b=[1, 0, 0], w=[0, 0, 1])])
+def test_zb_h1_takes_free_actions(costs):
+    """An action of no cost (an empty stage, a W with nothing to do) makes others ready at the same time."""
+    validate(add_communication(zero_bubble_h1(3, 6, **costs)))
 
 
 def test_auto_picks_the_shortest_simulated_step_and_says_why():
@@ -157,3 +206,36 @@ def test_zb_h1_keeps_each_rank_within_1f1bs_whole_peak():
     whole = {r: zb.peak_activation_bytes[r] + resident[r] for r in range(pp)}
     assert max(whole.values()) <= max(base.peak_activation_bytes[r] + resident[r] for r in range(pp)) + 1e-9
     assert zb.step_time < base.step_time
+
+
+def test_the_dp_reducer_arms_b_gradients_at_the_last_b_and_w_gradients_at_the_last_w():
+    """A bucket holding a norm's weight (final at the stage's last B) and a matmul's (final at its last
+    W) launches at that W, during the step: not before (a gradient still to come) and not only at the
+    end (the all-reduce exposed)."""
+    from autoshard.runtime.data_parallel import GradReducer
+    from autoshard.runtime.executor import arming_points
+
+    class Comm:
+        launched = []
+
+        def all_reduce_async(self, flat, where):
+            Comm.launched.append(flat.clone())
+            return type("Work", (), {"wait": lambda self: None})()
+    leaves = {"norm": torch.zeros(4, requires_grad=True), "fc": torch.zeros(4, 4, requires_grad=True)}
+    reducer = GradReducer(Comm(), leaves, {0: ["norm", "fc"]}, bucket_bytes=1 << 20, late=frozenset({"fc"}))
+    s = zero_bubble_h1(2, 3)
+    acts = s.actions[1]                                   # the last stage: its B and W are split
+    arms = arming_points(acts, {(a.stage, a.microbatch) for a in acts if a.kind is Kind.W})
+    assert arms[acts[max(i for i, a in enumerate(acts) if a.kind is Kind.B)]] == ["B"]
+    assert arms[acts[-1]] == ["W"] and acts[-1].kind is Kind.W
+    reducer.begin_step(grads_still_held=False)
+    for a in acts:                                        # B accumulates the norm's, W the matmul's
+        for phase in arms.get(a, ()):
+            reducer.arm(0, phase)                         # (the one stage this reducer holds)
+        if a.kind is Kind.B:
+            (leaves["norm"] * 1.0).sum().backward()
+        elif a.kind is Kind.W:
+            assert not Comm.launched                      # not before the matmul's last gradient
+            (leaves["fc"] * 1.0).sum().backward()
+    assert len(Comm.launched) == 1                        # launched at the last W, before finish()
+    torch.testing.assert_close(Comm.launched[0], torch.full((20,), 3.0))
