@@ -29,12 +29,14 @@ class Priced:
     fits: bool
 
 
-def choose_schedule(predict, cuts, pp: int, m: int, first_costs: list, memory_limit, codegen: str) -> tuple:
+def choose_schedule(predict, cuts, pp: int, m: int, first_costs: list, memory_limit, codegen: str,
+                    kept: tuple | None = None) -> tuple:
     """``(Priced winner, reason)``. ``predict(cuts, schedule) -> (costs, step, peak)`` prices a schedule on
-    the cuts (``pipeline_split.predict``); ``first_costs`` are the stages' costs it gave for 1F1B."""
+    the cuts (``pipeline_split.predict``); ``first_costs`` are the stages' costs it gave for 1F1B, ``kept``
+    what a split B keeps for W per stage."""
     names = CANDIDATES if resolved_codegen(codegen) != "inductor" else ("1f1b",)
     costs = Costs(tuple(c.forward_seconds for c in first_costs), tuple(c.backward_seconds for c in first_costs),
-                  tuple(c.activation_bytes for c in first_costs))
+                  tuple(c.activation_bytes for c in first_costs), kept_bytes=kept)
     priced = []
     for name in names:
         schedule = make_schedule(name, pp, m, 1, costs, [c.param_bytes for c in first_costs])

@@ -294,7 +294,8 @@ def make_schedule(name: str, pp: int, m: int, v: int, costs=None, resident=0) ->
             return zero_bubble_h1(pp, m)
         w = [costs.w(s) for s in range(pp)]
         return zero_bubble_h1(pp, m, f=list(costs.forward), b=[bw - x for bw, x in zip(costs.backward, w)], w=w,
-                              activation=[max(a, 1) for a in costs.activation_bytes], resident=resident)
+                              activation=[max(a, 1) for a in costs.activation_bytes],
+                              kept=[costs.kept(s) for s in range(pp)], resident=resident)
     return interleaved_1f1b(pp, m, v)
 
 

@@ -25,15 +25,21 @@ class Costs:
     """Per-stage costs of one microbatch: ``forward[s]`` and ``backward[s]`` in seconds,
     ``activation_bytes[s]`` saved by the forward of stage s until its backward, and the latency of one
     boundary transfer between ranks (``p2p``). ``weight[s]``: the part of ``backward[s]`` a split schedule
-    runs as W (the weight gradients); None: half of it (the zero-bubble paper's B = W)."""
+    runs as W (the weight gradients); None: half of it (the zero-bubble paper's B = W). ``kept_bytes[s]``:
+    what its B keeps for W (each matmul's input and output gradient: under recompute far more than the
+    layer inputs the forward saved)."""
     forward: tuple
     backward: tuple
     activation_bytes: tuple
     p2p: float = 0
     weight: tuple | None = None
+    kept_bytes: tuple | None = None     # a split schedule: what B keeps for W (None: W_MEMORY of the activations)
 
     def w(self, stage: int):
         return self.weight[stage] if self.weight is not None else self.backward[stage] / 2
+
+    def kept(self, stage: int):
+        return self.kept_bytes[stage] if self.kept_bytes is not None else W_MEMORY * self.activation_bytes[stage]
 
     @staticmethod
     def uniform(num_stages: int, forward, backward, activation_bytes: int = 0, p2p=0) -> Costs:
@@ -139,9 +145,7 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
     and return its ``Timeline``. Raises ``ValueError`` if the schedule deadlocks."""
     costs.check(schedule)
     rank_of, split = schedule.rank_of, schedule.split
-    # the share of a microbatch's activations each action frees: B all (in a split schedule all but what
-    # it keeps for W, ``W_MEMORY``), W the rest
-    frees = {Kind.B: 1 - W_MEMORY, Kind.W: W_MEMORY} if split else {Kind.B: 1}
+    # B frees a microbatch's activations (and in a split schedule takes what it keeps for W), W frees that
     clock = {r: 0 for r in range(schedule.pp)}
     deps = dependencies(schedule)
     end: dict[Action, float] = {}
@@ -172,8 +176,10 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
             a = span.action
             if a.kind is Kind.F:
                 held += costs.activation_bytes[a.stage]
-            elif a.kind in frees:
-                held -= costs.activation_bytes[a.stage] * frees[a.kind]
+            elif a.kind is Kind.B:
+                held -= costs.activation_bytes[a.stage] - (costs.kept(a.stage) if split else 0)
+            elif a.kind is Kind.W:
+                held -= costs.kept(a.stage)
             most = max(most, held)
         peak[r] = most
     step = max(clock.values(), default=0)
