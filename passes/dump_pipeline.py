@@ -37,6 +37,7 @@ def weight_grad_lines(prog) -> list:
     """The ``## B and W`` section: per stage, the matmuls whose weight gradient W computes and the bytes
     B keeps for them a microbatch (each matmul's input and output gradient, from the compiled shapes)."""
     from autoshard.ir.weight_grad import deferred_linear
+    from autoshard.passes.plan import nbytes
     from autoshard.passes.weight_grad import parameter_of
     if not prog.schedule.split:
         return []
@@ -48,7 +49,7 @@ def weight_grad_lines(prog) -> list:
          "| stage | matmuls in W | their weights | kept from B to W / microbatch | left in B |", "|---|---|---|---|---|"]
     for c in prog.chunks:
         nodes = [n for n in c.gm.graph.nodes if n.op == "call_function" and n.target is deferred_linear]
-        kept = sum(_nbytes(n.args[0]) + _nbytes(n) for n in nodes)
+        kept = sum(nbytes(n.args[0]) + nbytes(n) for n in nodes)
         params = [parameter_of(n.args[1]) for n in nodes]
         in_w = {M.NAME.get(p, None) for p in params if p is not None}
         weights = len(in_w)
@@ -58,15 +59,8 @@ def weight_grad_lines(prog) -> list:
     return L + [""]
 
 
-def _nbytes(node) -> int:
-    val = getattr(node, "meta", {}).get("val")
-    return val.numel() * val.element_size() if hasattr(val, "numel") else 0
-
-
 def _costs(prog) -> Costs:
-    plan = prog.plan
-    return Costs(tuple(c.forward_seconds for c in plan.costs), tuple(c.backward_seconds for c in plan.costs),
-                 tuple(c.activation_bytes for c in plan.costs))
+    return Costs.of_stages(prog.plan.costs)
 
 
 def simulated(prog):

@@ -29,20 +29,21 @@ class Priced:
     fits: bool
 
 
+def price_schedule(name: str, predict, cuts, pp: int, m: int, stages: list, memory_limit, kept: tuple | None = None) -> Priced:
+    """Schedule ``name`` generated on the cut ``stages``' costs (and ``kept``: what a split B keeps for W
+    per stage), then priced by ``predict(cuts, schedule) -> (costs, step, peak)`` (``pipeline_split.predict``)."""
+    schedule = make_schedule(name, pp, m, 1, Costs.of_stages(stages, kept_bytes=kept), [c.param_bytes for c in stages])
+    stage_costs, step, peak = predict(cuts, schedule)
+    fits = memory_limit is None or max(peak.values()) <= memory_limit
+    return Priced(name, schedule, stage_costs, step, peak, fits)
+
+
 def choose_schedule(predict, cuts, pp: int, m: int, first_costs: list, memory_limit, codegen: str,
                     kept: tuple | None = None) -> tuple:
-    """``(Priced winner, reason)``. ``predict(cuts, schedule) -> (costs, step, peak)`` prices a schedule on
-    the cuts (``pipeline_split.predict``); ``first_costs`` are the stages' costs it gave for 1F1B, ``kept``
-    what a split B keeps for W per stage."""
+    """``(Priced winner, reason)``: each candidate priced on the cuts (``price_schedule``); ``first_costs`` are the stages'
+    costs the balancer gave for 1F1B."""
     names = CANDIDATES if resolved_codegen(codegen) != "inductor" else ("1f1b",)
-    costs = Costs(tuple(c.forward_seconds for c in first_costs), tuple(c.backward_seconds for c in first_costs),
-                  tuple(c.activation_bytes for c in first_costs), kept_bytes=kept)
-    priced = []
-    for name in names:
-        schedule = make_schedule(name, pp, m, 1, costs, [c.param_bytes for c in first_costs])
-        stage_costs, step, peak = predict(cuts, schedule)
-        fits = memory_limit is None or max(peak.values()) <= memory_limit
-        priced.append(Priced(name, schedule, stage_costs, step, peak, fits))
+    priced = [price_schedule(name, predict, cuts, pp, m, first_costs, memory_limit, kept) for name in names]
     fitting = [p for p in priced if p.fits] or priced      # none fits: the balancer has said so already
     best = min(fitting, key=lambda p: (p.step, names.index(p.name)))
     parts = [f"{p.name} {p.step * 1e3:.3f} ms, peak {max(p.peak.values()) / 2**20:.2f} MiB"

@@ -42,6 +42,13 @@ class Costs:
         return self.kept_bytes[stage] if self.kept_bytes is not None else W_MEMORY * self.activation_bytes[stage]
 
     @staticmethod
+    def of_stages(stages, p2p=0, kept_bytes=None, backward_scale=1) -> Costs:
+        """From per-stage records with ``forward_seconds``, ``backward_seconds`` and ``activation_bytes``
+        (the balancer's ``StageCost``); ``backward_scale`` prices a split backward's extra pass."""
+        return Costs(tuple(c.forward_seconds for c in stages), tuple(c.backward_seconds * backward_scale for c in stages),
+                     tuple(c.activation_bytes for c in stages), p2p, kept_bytes=kept_bytes)
+
+    @staticmethod
     def uniform(num_stages: int, forward, backward, activation_bytes: int = 0, p2p=0) -> Costs:
         return Costs((forward,) * num_stages, (backward,) * num_stages, (activation_bytes,) * num_stages, p2p)
 

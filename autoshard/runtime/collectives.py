@@ -154,15 +154,14 @@ class ColumnParallelMatmul(torch.autograd.Function):
         w = weight.t() if ctx.transposed else weight          # (out, in)
         dx = g.matmul(w).contiguous()                         # partial sums over this rank's columns
         handle = ctx.comm.all_reduce_async(dx, "bwd") if ctx.needs_input_grad[0] else None
-        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         dw = db = None
         if ctx.held is not None:       # split_weight_grad: dW for the schedule's W (ir/weight_grad.py)
             real, ctx.held = ctx.held[0], None
             weight_grad.defer(x, g, real, ctx.transposed)
         elif ctx.needs_input_grad[1]:
-            dw = x2.t().matmul(g2) if ctx.transposed else g2.t().matmul(x2)
+            dw = weight_grad.Deferred(x, g, weight, ctx.transposed).grad()
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = g2.sum(0)
+            db = g.reshape(-1, g.shape[-1]).sum(0)
         if handle is not None:
             handle.wait()
         return dx, dw, db, None, None, None

@@ -119,8 +119,8 @@ class StepRunner:
             self.close()
             leaves = self.params.step_leaves(list(self.params.records))
             dp = self.module.comms["dp"]
-            split = getattr(self.program, "gm", None) is not None and WEIGHT_GRAD_PLAN in self.program.gm.meta
-            late = self.program.gm.meta[WEIGHT_GRAD_PLAN].late if split else frozenset()
+            split = getattr(self.program, "gm", None) is not None and self.program.gm.meta.get(WEIGHT_GRAD_PLAN)
+            late = split.late if split else frozenset()     # the gradients a zero-bubble W computes
             reducer = GradReducer(dp, leaves, {c.index: c.param_names for c in self.program.own},
                                   self.module.bucket_bytes, self.module.first_bucket_bytes,
                                   late=late) if dp.size > 1 else None
