@@ -97,7 +97,8 @@ class ForwardRunner:
         user = [leaves[i] for i in program.captured.input_leaves]  # the leaves the graph reads (tensors)
         check_inputs(program.captured.index_ranges, dict(zip(program.captured.user_input_names, user)))
         buffers = [bound.constants[b] if b in bound.constants else m.buffer(b) for b in program.captured.buffer_names]
-        return bound.graph(*m.params.call_inputs(program.params), *buffers, *user), program
+        return bound.graph(*m.params.call_inputs(program.params, program.options.cuda_graphs), *buffers,
+                           *user), program
 
     def check_ranks_agree(self, program: Program) -> None:
         """All tp ranks must run the same plan; say so (on every rank) if they do not. One small all-gather

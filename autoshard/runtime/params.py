@@ -155,7 +155,7 @@ class ShardedParameters(nn.Module):
         p = self.param(name)
         return p.to_local() if DTensor is not None and isinstance(p, DTensor) else p
 
-    def call_inputs(self, records) -> list:
+    def call_inputs(self, records, graphs: bool = False) -> list:
         """The graph's parameter inputs for one ``pm(...)`` call, without DTensor's autograd per parameter.
 
         ``p.to_local()`` on every parameter of every call wraps each in DTensor's autograd functions
@@ -164,16 +164,21 @@ class ShardedParameters(nn.Module):
         reads plain leaves that share the shards' storage (made once, ``step_leaves``), and each leaf
         hands its gradient to its parameter's ``.grad`` (as a DTensor, ``hand_grad``) the moment autograd
         has accumulated it, as FSDP2 does with its sharded parameters. Without a mesh the parameters
-        are plain tensors and are read as they are."""
+        are plain tensors and are read as they are.
+
+        ``graphs``: the program replays as CUDA graphs, whose backward outputs live in memory the next
+        replay overwrites, so each gradient is handed on as a copy (two calls accumulating into one
+        ``.grad`` would otherwise read an overwritten first one)."""
         if self.mesh is None or DTensor is None:
             return self.local_inputs(records)
+        self.__dict__["_copy_grads"] = graphs
         cached = self.__dict__.get("_call_leaves")
         if cached is None or not self.leaves_current(cached):
             cached = self.__dict__["_call_leaves"] = self.step_leaves(list(self.records))
             for name, leaf in cached.items():
                 if leaf.requires_grad:
-                    leaf.register_post_accumulate_grad_hook(
-                        lambda leaf, p=self.param(name): hand_grad(p, _take_grad(leaf)))
+                    leaf.register_post_accumulate_grad_hook(lambda leaf, p=self.param(name): hand_grad(
+                        p, _take_grad(leaf).clone() if self.__dict__["_copy_grads"] else _take_grad(leaf)))
         return self.local_inputs(records, cached)
 
     def local_inputs(self, records, leaves: dict | None = None) -> list:

@@ -127,8 +127,12 @@ class StepRunner:
             self._leaves = (leaves, reducer)
         leaves, reducer = self._leaves
         if reducer is None:
+            # under CUDA graphs a backward's outputs live in memory the next replay overwrites: a leaf whose
+            # .grad is None would take the first microbatch's output as its gradient and lose it to the
+            # second. A zeroed gradient makes autograd add into it instead (the reducer's buckets do so too)
+            graphs = self.program.options.cuda_graphs
             for leaf in leaves.values():
-                leaf.grad = None
+                leaf.grad = torch.zeros_like(leaf) if graphs and leaf.requires_grad else None
         else:
             reducer.begin_step(grads_still_held=grads_held)
         return leaves, reducer
