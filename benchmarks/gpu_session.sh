@@ -10,10 +10,14 @@
 #
 # Runs on the machine's own python3 and torch (such machines have no internet: autoshard is installed
 # over them with --no-deps), each step under a timeout so that one slow step cannot eat the lease:
+#   0. the planner on one GPU (benchmarks.gpu_planner): Cluster.measure() in bf16 beside the DGX-H100
+#      preset, predicted against measured steps of GPTs with recompute none / selective / full, and a
+#      layer's saved activation bytes in bf16 against Korthikanti et al.'s 16-bit formula (issues 26, 27);
 #   1. gpu_check: parity with the single-device model on CUDA + NCCL with the compiled Triton kernels,
 #      for every mesh the GPUs allow (1 GPU: about 60 s; the table is written after each rank count);
 #   2. a rank's whole step (GPT and HF Llama, bf16, fused AdamW) against eager and torch.compile, both
 #      codegen paths, with the profile's top kernels and any fp32 SIMT GEMM (benchmarks.step);
+#   3-5 only with FULL=1 (each was measured on an H100 before; they do not fit a 15-minute lease with the rest):
 #   3. dp=1 against DDP on one GPU, with autoshard's fusion and chunked loss on and off (which of them
 #      costs the step time: the first H100 run measured 1.05x);
 #   4. the chunked LM head + loss against the unchunked one at the dp runs' sizes;
@@ -39,15 +43,20 @@ GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
     tee "$OUT/session.md"
 [ "$GPUS" -ge 1 ] || { echo "gpu_session: no CUDA device here"; exit 2; }
 
+echo "== the planner on one GPU: predicted against measured steps, a layer's bf16 bytes (issues 26, 27)"
+timeout ${PLANNER_S:-200} "$PY" -m benchmarks.gpu_planner --steps 6 --out "$OUT" > "$OUT/gpu_planner.log" 2>&1
+grep -E "^\|" "$OUT/gpu_planner.md" 2>/dev/null | tee -a "$OUT/session.md" || tail -5 "$OUT/gpu_planner.log"
+
 echo "== gpu_check"
-timeout $((120 + 90 * GPUS)) "$PY" -m tests.gpu_check --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log" |
+timeout $((60 + 90 * GPUS)) "$PY" -m tests.gpu_check --out "$OUT" 2>&1 | tee "$OUT/gpu_check.log" |
     grep -E "^  (pass|FAIL)|tracebacks"
 
 echo "== a rank's whole step against torch.compile: GPT and HF Llama, bf16, AdamW(fused) (issue 23)"
-timeout 300 "$PY" -m benchmarks.step --device cuda --steps 10 --profile --out "$OUT" > "$OUT/step.log" 2>&1
+timeout ${STEP_S:-150} "$PY" -m benchmarks.step --device cuda --steps 10 --profile --variants ${STEP_VARIANTS:-eager torch.compile autoshard} --out "$OUT" > "$OUT/step.log" 2>&1
 grep -E "^\||fp32 SIMT" "$OUT/step_results_gpu.md" 2>/dev/null | tee -a "$OUT/session.md"
 
 DP="--steps 10 --hidden 1024 --layers 8 --seq 512 --batch 8 --vocab 32000"
+if [ -n "${FULL:-}" ]; then
 { echo; echo "## dp=1 against DDP ($DP)"; echo; echo "| fuse | loss chunks | autoshard ms | DDP ms | ratio |"
   echo "|---|---|---|---|---|"; } >> "$OUT/session.md"
 for v in "auto auto" "off auto" "off none"; do
@@ -68,6 +77,8 @@ echo "== fusion patterns"
 timeout 150 "$PY" -m benchmarks.fusion --iters 20 --no-loss --no-gpt --out "$OUT" > "$OUT/fusion.log" 2>&1
 grep -E "^ *[a-z_]+: fwd" "$OUT/fusion.log"
 
+fi
+
 if [ "$GPUS" -ge 2 ]; then
     echo "== pipeline against torch.distributed.pipelining"
     timeout 300 "$PY" -m benchmarks.pp --only torch --hidden 1024 --seq 512 --batch 16 --vocab 32000 --steps 10 --out "$OUT" > "$OUT/pp.log" 2>&1; tail -15 "$OUT/pp.log"
@@ -78,7 +89,7 @@ fi
 echo; echo "== summary ($OUT)"; cat "$OUT/session.md"; grep -E "^\| [0-9]" "$OUT/gpu_check.md" 2>/dev/null
 tar -czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "(all of it: $OUT.tgz)"
 if [ -n "$BACK" ]; then
-    mkdir -p "$BACK" && cp "$OUT.tgz" "$BACK/" && for f in session.md gpu_check.md step_results_gpu.md chunked_loss_results.md fusion_results.md; do
+    mkdir -p "$BACK" && cp "$OUT.tgz" "$BACK/" && for f in session.md gpu_planner.md gpu_check.md step_results_gpu.md chunked_loss_results.md fusion_results.md; do
         [ -f "$OUT/$f" ] && cp "$OUT/$f" "$BACK/"; done
     echo "(copied to $BACK)"
 fi

@@ -174,8 +174,8 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     tokens = b * s
     layers_per_rank = math.ceil(shape.layers / p)
     f_layer, f_recompute, tp_layer = _layer_seconds(shape, cluster, c, tokens, flash)
-    head_f = (cluster.gemm_seconds(tokens, shape.vocab / t, h) + _pointwise(cluster, 3 * tokens * shape.vocab / t * FP32)
-              + OPS_HEAD * cluster.op_overhead)
+    head_f = _with_host(cluster, cluster.gemm_seconds(tokens, shape.vocab / t, h)
+                        + _pointwise(cluster, 3 * tokens * shape.vocab / t * FP32), OPS_HEAD)
     last_extra = 3 * head_f                      # the LM head and the loss, forward and backward, last rank
     per_micro = layers_per_rank * (3 * f_layer) + (last_extra if p == 1 else 0)
     per_micro_last = layers_per_rank * (3 * f_layer) + last_extra
@@ -211,6 +211,13 @@ def _shared_cores(cluster: Cluster, m: int, p: int, v: int, slowest: float, mean
     return m * mean, max(0.0, critical - busy)
 
 
+def _with_host(cluster: Cluster, device: float, ops: float) -> float:
+    """Seconds of work taking ``device`` seconds of compute in ``ops`` ops: the host's overhead added
+    where one processor does both, the longer of the two where the host launches ahead (a GPU)."""
+    host = ops * cluster.op_overhead
+    return max(device, host) if cluster.launch_ahead else device + host
+
+
 def _pointwise(cluster: Cluster, nbytes: float) -> float:
     return nbytes / cluster.hbm_bandwidth
 
@@ -233,8 +240,7 @@ def _layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: fl
     softmax = 0 if flash else BF16 * 4 * c.b * shape.heads * s * s / t
     core += _pointwise(cluster, softmax) + c.b * shape.heads * s * s / t / cluster.transcendental_rate
     activation = tokens * shape.ffn / t / cluster.transcendental_rate
-    forward = (gemms + core + _pointwise(cluster, stream + sharded) + activation
-               + OPS_PER_LAYER * cluster.op_overhead)
+    forward = _with_host(cluster, gemms + core + _pointwise(cluster, stream + sharded) + activation, OPS_PER_LAYER)
     link = cluster.link(t, 1)
     one = ring_all_reduce_seconds(BF16 * tokens * h, t, link)
     collectives = 4 * one + (2 * one if c.recompute == "full" else 0)
@@ -260,9 +266,9 @@ def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, last_backw
     params = _rank_params(shape, c)
     opt_bytes = params * (FP32 * 6 + BF16)        # read/write master, m, v; read grad; write bf16 weights
     tensors = math.ceil(shape.layers / c.pp) * TENSORS_PER_LAYER + 4
-    host = tensors * OPS_PER_TENSOR * cluster.op_overhead
+    ops = tensors * OPS_PER_TENSOR
     if c.dp == 1:
-        return 0.0, _pointwise(cluster, opt_bytes) + host
+        return 0.0, _with_host(cluster, _pointwise(cluster, opt_bytes), ops)
     link = cluster.link(c.dp, c.tp * c.pp)
     reduce = ring_all_reduce_seconds(FP32 * params, c.dp, link)
     # the bucketed all-reduce runs beside the last backward; on a host whose cores the ranks already
@@ -271,8 +277,8 @@ def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, last_backw
     exposed = max(0.0, reduce - hidden)
     if c.zero:
         gather = ring_all_reduce_seconds(BF16 * params, c.dp, link) / 2     # an all-gather: half a ring all-reduce
-        return exposed + gather, _pointwise(cluster, opt_bytes / c.dp) + host
-    return exposed, _pointwise(cluster, opt_bytes) + host
+        return exposed + gather, _with_host(cluster, _pointwise(cluster, opt_bytes / c.dp), ops)
+    return exposed, _with_host(cluster, _pointwise(cluster, opt_bytes), ops)
 
 
 def stage_memory(shape: ModelShape, c: Candidate, rank: int, flash: bool = True, schedule: str = "1f1b",

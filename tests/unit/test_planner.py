@@ -72,6 +72,33 @@ def test_transcendentals_cost_where_the_host_computes_them():
     assert slow - fast == pytest.approx(3 * shape.layers * elements / rate, rel=1e-6)
 
 
+def test_a_device_that_runs_ahead_hides_the_hosts_overhead():
+    """Where the host launches ahead (a GPU), a layer costs the longer of its device time and its ops'
+    launches; where one processor does both (a CPU), their sum. A model too small to fill the device is
+    then launch-bound, and a large one is not slowed by it at all."""
+    c = Candidate(dp=1, pp=1, tp=1, b=1, m=1)
+    overhead = 15e-6
+    summed = predict(SMALL_VOCAB, DGX_A100.with_(op_overhead=overhead), c).breakdown.compute
+    ahead = predict(SMALL_VOCAB, DGX_A100.with_(op_overhead=overhead, launch_ahead=True), c).breakdown.compute
+    free = predict(SMALL_VOCAB, DGX_A100, c).breakdown.compute
+    assert ahead == pytest.approx(free, rel=0.01) and summed > 1.05 * ahead   # (the 8-token head is launch-bound)
+    tiny = ModelShape("tiny", layers=4, hidden=64, heads=4, kv_heads=4, ffn=256, vocab=8, seq=16)
+    bound = predict(tiny, DGX_A100.with_(op_overhead=overhead, launch_ahead=True), c).breakdown.compute
+    assert bound > 3 * predict(tiny, DGX_A100, c).breakdown.compute
+
+
+def test_the_gemm_fit_leaves_out_launch_bound_sizes():
+    """A GEMM timed faster than twice the host's launch cost measures the launch: the fit of a GPU's
+    curve keeps the rest (an H100's own rates, TFLOP/s by cube size, 256 to 8192)."""
+    from autoshard.planner.cluster import _fit_gemm
+    measured = {256: 2.3, 512: 18.0, 1024: 140.0, 2048: 673.1, 4096: 712.2, 8192: 713.1}
+    rates = [((n, n, n), r * 1e12) for n, r in measured.items()]
+    peak, half, _ = _fit_gemm(rates, floor=15e-6)
+    assert 700e12 < peak < 800e12 and half <= 64
+    naive, _, _ = _fit_gemm(rates)              # the launch-bound points drag a floor-blind fit far off
+    assert not 600e12 < naive < 900e12
+
+
 def test_activation_memory_is_the_papers_formula():
     """Korthikanti et al.: s b h (10 + 24/t + 5 a s / (h t)) bytes a layer (16-bit), 2 s b h with full
     recompute; flash attention drops the attention matrix's 5 a s / (h t)."""
