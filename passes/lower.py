@@ -11,6 +11,7 @@ import torch.fx as fx
 
 from autoshard.ir import meta as M
 from autoshard.ir import ops
+from autoshard.ir.partial_grads import TP_PARTIAL_GRADS
 from autoshard.ir.program import CollectiveRecord, ParamRecord
 
 
@@ -36,4 +37,6 @@ def collective_records(gm: fx.GraphModule) -> list:
         for s in op.steps():
             out.append(CollectiveRecord(n.name, M.SOURCE.get(n, None), s.axis, s.phase, s.kind, s.shape,
                                         s.itemsize or isz, s.what, s.stacked))
+    if TP_PARTIAL_GRADS in gm.meta:
+        out.append(gm.meta[TP_PARTIAL_GRADS].record())
     return out

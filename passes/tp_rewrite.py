@@ -16,11 +16,14 @@ are data; the runtime binds them to process groups (``autoshard.runtime.bind``).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.fx as fx
 
 from autoshard.ir import meta as M
 from autoshard.ir import ops
+from autoshard.ir.partial_grads import TP_PARTIAL_GRADS, PartialGrads
 from autoshard.ir.placement import Replicate, Shard, local_shape, shard_range
 from autoshard.passes.plan import partial_grad_use
 from autoshard.passes.rules import VIEW_OPS, split_sizes
@@ -103,6 +106,7 @@ def tp_rewrite_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             cache[u, "f"] = node
         return cache[u, "f"]
 
+    deferred = _partial_only_parameters(gm) if t > 1 else {}
     for n in gm.graph.nodes:
         s = M.STRATEGY.get(n)
         if n.op == "placeholder":
@@ -113,7 +117,9 @@ def tp_rewrite_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         else:
             mapping = {}
             for pos, u in enumerate(n.all_input_nodes):
-                if M.REQUIRES_GRAD.get(u, False) and partial_grad_use(s, pos):
+                if u in deferred:     # its gradient's tp shares are summed after backward (ir/partial_grads)
+                    mapping[u] = env[u]
+                elif M.REQUIRES_GRAD.get(u, False) and partial_grad_use(s, pos):
                     mapping[u] = with_f(u)
                 else:
                     mapping[u] = in_placement(u, s.ins[pos])
@@ -133,7 +139,28 @@ def tp_rewrite_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         M.LOCAL_SHAPE.set(new, local_shape(shape_of(n), s.out, t) if shape_of(n) is not None else None)
         env[n] = new
     g.lint()
-    return fx.GraphModule(root, g)
+    out = fx.GraphModule(root, g)
+    if deferred:
+        numel = sum(math.prod(local_shape(shape_of(u), Replicate(), t)) for u in deferred)
+        out.meta[TP_PARTIAL_GRADS] = PartialGrads(tuple(deferred.values()), numel, val(next(iter(deferred))).element_size())
+    return out
+
+
+def _partial_only_parameters(gm) -> dict:
+    """{placeholder: name} of the replicated parameters that need grad and every use of which leaves their
+    gradient partial over tp (a sequence-sharded norm's weight and bias): their f is left out and the
+    gradients are summed after backward, in one call. A parameter also read where its gradient is whole
+    keeps its f: summing after backward would count that part t times."""
+    out = {}
+    for u in gm.graph.nodes:
+        if u.op != "placeholder" or M.KIND.get(u, None) != "parameter" or not M.REQUIRES_GRAD.get(u, False):
+            continue
+        if not isinstance(M.SPEC.get(u).tp, Replicate) or not u.users:
+            continue
+        if all(M.STRATEGY.get(n, None) is not None and partial_grad_use(M.STRATEGY.get(n), pos)
+               for n in u.users for pos, x in enumerate(n.all_input_nodes) if x is u):
+            out[u] = M.NAME.get(u)
+    return out
 
 
 def _annotate(node, spec, shape, t, grad, source):

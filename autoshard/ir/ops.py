@@ -106,20 +106,31 @@ class SequenceGather(ParallelOp):
 
 class ColumnParallelMatmul(ParallelOp):
     """f fused into the column-parallel matmul it feeds, so the gradient all-reduce overlaps dW.
-    ``y = x W^T + b``, with ``W`` stored ``(out, in)``, or ``(in, out)`` when ``transposed`` (HF Conv1D)."""
+    ``y = x W^T + b``, with ``W`` stored ``(out, in)``, or ``(in, out)`` when ``transposed`` (HF Conv1D).
 
-    def __init__(self, axis, size, shape, transposed: bool):
+    With ``gather_dim`` it is sequence parallelism's ``SequenceGather`` fused instead: ``x`` arrives as a
+    sequence shard and is all-gathered along ``gather_dim`` forward, and the input gradient's
+    reduce-scatter overlaps dW (Megatron's linear with async communication under sequence parallelism)."""
+
+    def __init__(self, axis, size, shape, transposed: bool, gather_dim: int | None = None):
         super().__init__(axis, size)
-        self.shape, self.transposed = tuple(shape), transposed
+        self.shape, self.transposed, self.gather_dim = tuple(shape), transposed, gather_dim
         self.defer_weight = False     # split_weight_grad: dW waits for the schedule's W (ir/weight_grad.py)
 
     def meta_forward(self, x, weight, bias=None):
+        if self.gather_dim is not None:
+            x = x.new_empty(self.shape)
         return F.linear(x, weight.t() if self.transposed else weight, bias)
 
     def steps(self):
-        return [replace(s, what=s.what + ", overlapped with dW") for s in copy_to_parallel_steps(self.axis, self.shape)]
+        base = (copy_to_parallel_steps(self.axis, self.shape) if self.gather_dim is None
+                else sequence_gather_steps(self.axis, self.shape))
+        return [replace(s, what=s.what + ", overlapped with dW") if s.phase == "bwd" else s for s in base]
 
     def extra_repr(self):
+        if self.gather_dim is not None:
+            return (f"sequence gather fused on {self.axis} along dim {self.gather_dim}: async reduce-scatter of the "
+                    f"input gradient (global shape {self.shape}) overlaps dW")
         return f"f fused on {self.axis}: async all-reduce of the input gradient (global shape {self.shape}) overlaps dW"
 
 

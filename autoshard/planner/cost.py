@@ -41,7 +41,7 @@ BF16, FP32 = 2, 4
 OPS_PER_LAYER = 30        # ops a transformer layer's forward launches (norms, projections, attention, MLP, adds)
 OPS_HEAD = 12             # the LM head and the loss's
 TENSORS_PER_LAYER = 12    # parameter tensors of a layer (weights, biases, norms): the optimizer's ops go per tensor
-NORM_TENSORS = 4          # a layer's norm weights and biases: under SP each gradient is all-reduced over tp
+NORM_TENSORS = 4          # a layer's norm weights and biases: under SP their tp shares are summed once a step
 OPS_PER_TENSOR = 15       # a foreach AdamW's ops per parameter tensor (on a host that pays per op)
 
 
@@ -194,7 +194,10 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
         send = BF16 * tokens * h / (t if c.sp else 1) / link.bandwidth + link.latency   # SP: a sequence shard
         p2p = 2 * send * (m * v + p - 1)
     dp_comm, optimizer = _data_parallel(shape, cluster, c, round_time / v)
-    breakdown = Breakdown(compute, m * recompute, m * tp, bubble, p2p, dp_comm, optimizer)
+    # SP: the norms' weight and bias gradients are each tp rank's share, summed after the step's
+    # backward in one all-reduce (ir/partial_grads), exposed
+    norms = ring_all_reduce_seconds(FP32 * h * NORM_TENSORS * layers_per_rank, t, cluster.link(t, 1)) if c.sp else 0.0
+    breakdown = Breakdown(compute, m * recompute, m * tp + norms, bubble, p2p, dp_comm, optimizer)
     return Prediction(c, breakdown.total, breakdown, _memory(shape, cluster, c, flash),
                       shape.model_flops(c.global_batch * s))
 
@@ -244,8 +247,6 @@ def _layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: fl
     link = cluster.link(t, 1)
     one = ring_all_reduce_seconds(BF16 * tokens * h, t, link)
     collectives = 4 * one + (2 * one if c.recompute == "full" else 0)
-    if c.sp:      # each norm's weight and bias gradient, partial on each rank, all-reduced on its own
-        collectives += NORM_TENSORS * ring_all_reduce_seconds(FP32 * h, t, link)
     again = {"full": forward, "selective": core}.get(c.recompute, 0.0)
     return forward, again, collectives
 

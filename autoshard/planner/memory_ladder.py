@@ -14,7 +14,9 @@ For a model, a mesh (dp, pp, tp) and a batch, the ways to hold less, in the orde
 ``Memory`` (18 bytes a parameter; activations of the compute dtype, 4 bytes unless
 ``mixed_precision="bf16"``; as many in flight as the schedule holds), the time from a
 cluster (a preset or ``Cluster.measure()``), which only ranks the rungs. The fastest rung that fits is
-chosen; when none does, ``MemoryLimitError`` says how many bytes each rank misses and what to try.
+chosen; when none does, ``MemoryLimitError`` says how many bytes each rank misses and what to try. The
+order is the prices', not the list's: with a pipeline, SP's boundary sends are 1/t of the bytes, so TP +
+SP is faster than TP alone as well as smaller, and TP alone is never chosen there.
 
 One choice for every pipeline stage: the compiler takes one recompute setting for the whole model, and
 SP shards the stage boundaries, so every stage must agree. The record lists what each stage holds under

@@ -143,9 +143,12 @@ class ColumnParallelMatmul(torch.autograd.Function):
     gradients while it runs, then waits: Megatron's LinearWithGradAccumulationAndAsyncCommunication.
     """
     @staticmethod
-    def forward(ctx, x, weight, bias, comm, transposed, held=None):
+    def forward(ctx, x, weight, bias, comm, transposed, held=None, gather_dim=None):
+        if gather_dim is not None:     # a sequence shard: gathered here, its gradient reduce-scattered
+            x = comm.all_gather(x.contiguous(), gather_dim, "fwd")
         ctx.save_for_backward(x, weight)
         ctx.comm, ctx.transposed, ctx.has_bias, ctx.held = comm, transposed, bias is not None, held
+        ctx.gather_dim = gather_dim
         return F.linear(x, weight.t() if transposed else weight, bias)
 
     @staticmethod
@@ -153,7 +156,10 @@ class ColumnParallelMatmul(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         w = weight.t() if ctx.transposed else weight          # (out, in)
         dx = g.matmul(w).contiguous()                         # partial sums over this rank's columns
-        handle = ctx.comm.all_reduce_async(dx, "bwd") if ctx.needs_input_grad[0] else None
+        handle = None
+        if ctx.needs_input_grad[0]:
+            handle = (ctx.comm.all_reduce_async(dx, "bwd") if ctx.gather_dim is None
+                      else ctx.comm.reduce_scatter_async(dx, ctx.gather_dim, "bwd"))
         dw = db = None
         if ctx.held is not None:       # split_weight_grad: dW for the schedule's W (ir/weight_grad.py)
             real, ctx.held = ctx.held[0], None
@@ -163,5 +169,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = g.reshape(-1, g.shape[-1]).sum(0)
         if handle is not None:
-            handle.wait()
-        return dx, dw, db, None, None, None
+            shard = handle.wait()
+            if ctx.gather_dim is not None:
+                dx = shard
+        return dx, dw, db, None, None, None, None

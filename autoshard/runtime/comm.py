@@ -76,6 +76,13 @@ class AxisComm:
             return x.new_empty(shape)
         x = x.contiguous()
         self._log("all_gather", x.numel() * self.size, x.element_size(), phase)
+        if dist.get_backend(self.group) == "gloo" and _all_to_all_single is not None:
+            # as reduce_scatter below: gloo's all-to-all beats its all-gather (a sequence shard of 128 KiB,
+            # measured: 0.30 against 0.38 ms on 2 ranks, 2.1 against 3.8 ms on 4); each rank sends its
+            # part to every rank, the same (n-1)/n of the bytes
+            parts = x.new_empty((self.size,) + tuple(x.shape))
+            _all_to_all_single(parts, x.unsqueeze(0).expand(self.size, *x.shape).contiguous(), group=self.group)
+            return torch.cat(parts.unbind(0), dim=dim)
         if dim == 0:
             out = x.new_empty((self.size * x.shape[0],) + tuple(x.shape[1:]))
             _all_gather_single(out, x, group=self.group)
@@ -94,11 +101,16 @@ class AxisComm:
         return out
 
     def reduce_scatter(self, x, dim, phase):
+        """This rank's chunk along ``dim`` of the sum of every rank's ``x``."""
+        return self.reduce_scatter_async(x, dim, phase).wait()
+
+    def reduce_scatter_async(self, x, dim, phase) -> "Pending":
+        """Start ``reduce_scatter``; ``wait()`` on the handle returns this rank's chunk of the sum."""
         if self.size == 1:
-            return x
+            return Pending(None, lambda: x)
         chunks = [c.contiguous() for c in x.chunk(self.size, dim=dim)]
         if x.is_meta:
-            return chunks[0]
+            return Pending(None, lambda: chunks[0])
         self._log("reduce_scatter", x.numel(), x.element_size(), phase)
         out = torch.empty_like(chunks[self.rank])
         if dist.get_backend(self.group) == "gloo" and _all_to_all_single is not None:
@@ -106,10 +118,21 @@ class AxisComm:
             # 1 MiB on 2 ranks, measured); an all-to-all of the chunks and a local sum moves the same
             # (n-1)/n of the bytes and took 0.47 ms
             parts = torch.empty((self.size,) + tuple(out.shape), dtype=x.dtype, device=x.device)
-            _all_to_all_single(parts, torch.stack(chunks), group=self.group)
-            return torch.sum(parts, dim=0, out=out)
-        dist.reduce_scatter(out, chunks, group=self.group)
-        return out
+            work = _all_to_all_single(parts, torch.stack(chunks), group=self.group, async_op=True)
+            return Pending(work, lambda: torch.sum(parts, dim=0, out=out))
+        return Pending(dist.reduce_scatter(out, chunks, group=self.group, async_op=True), lambda: out)
+
+
+class Pending:
+    """A collective in flight: ``wait()`` finishes it and returns its result."""
+
+    def __init__(self, work, result):
+        self.work, self.result = work, result
+
+    def wait(self):
+        if self.work is not None:
+            self.work.wait()
+        return self.result()
 
 
 # one tensor in, one out: ``all_gather_single`` from torch 2.13, ``all_gather_into_tensor`` before (2.13

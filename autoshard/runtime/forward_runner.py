@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 
 from autoshard.ir import meta as M
 from autoshard.ir.errors import InputError
+from autoshard.ir.partial_grads import TP_PARTIAL_GRADS
 from autoshard.ir.program import Program
 from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch
 from autoshard.runtime.bind import bind
@@ -97,8 +98,9 @@ class ForwardRunner:
         user = [leaves[i] for i in program.captured.input_leaves]  # the leaves the graph reads (tensors)
         check_inputs(program.captured.index_ranges, dict(zip(program.captured.user_input_names, user)))
         buffers = [bound.constants[b] if b in bound.constants else m.buffer(b) for b in program.captured.buffer_names]
-        return bound.graph(*m.params.call_inputs(program.params, program.options.cuda_graphs), *buffers,
-                           *user), program
+        partial = program.gm.meta.get(TP_PARTIAL_GRADS)
+        inputs = m.params.call_inputs(program.params, program.options.cuda_graphs, partial.names if partial else ())
+        return bound.graph(*inputs, *buffers, *user), program
 
     def check_ranks_agree(self, program: Program) -> None:
         """All tp ranks must run the same plan; say so (on every rank) if they do not. One small all-gather

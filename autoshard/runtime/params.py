@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autoshard.ir.partial_grads import sum_over_tp
 from autoshard.ir.placement import Shard
 from autoshard.runtime import fused_optim
 from autoshard.runtime.layout import gather_full, take_shard
@@ -155,7 +156,7 @@ class ShardedParameters(nn.Module):
         p = self.param(name)
         return p.to_local() if DTensor is not None and isinstance(p, DTensor) else p
 
-    def call_inputs(self, records, graphs: bool = False) -> list:
+    def call_inputs(self, records, graphs: bool = False, partial: tuple = ()) -> list:
         """The graph's parameter inputs for one ``pm(...)`` call, without DTensor's autograd per parameter.
 
         ``p.to_local()`` on every parameter of every call wraps each in DTensor's autograd functions
@@ -168,18 +169,41 @@ class ShardedParameters(nn.Module):
 
         ``graphs``: the program replays as CUDA graphs, whose backward outputs live in memory the next
         replay overwrites, so each gradient is handed on as a copy (two calls accumulating into one
-        ``.grad`` would otherwise read an overwritten first one)."""
-        if self.mesh is None or DTensor is None:
+        ``.grad`` would otherwise read an overwritten first one).
+
+        ``partial``: the parameters whose gradient is this tp rank's share (``ir/partial_grads``): held
+        until the backward ends, then summed over tp in one call and handed on."""
+        if (self.mesh is None or DTensor is None) and not partial:
             return self.local_inputs(records)
-        self.__dict__["_copy_grads"] = graphs
+        self.__dict__["_copy_grads"], self.__dict__["_partial"] = graphs, frozenset(partial)
         cached = self.__dict__.get("_call_leaves")
         if cached is None or not self.leaves_current(cached):
             cached = self.__dict__["_call_leaves"] = self.step_leaves(list(self.records))
+            self.__dict__["_held"] = []
             for name, leaf in cached.items():
                 if leaf.requires_grad:
-                    leaf.register_post_accumulate_grad_hook(lambda leaf, p=self.param(name): hand_grad(
-                        p, _take_grad(leaf).clone() if self.__dict__["_copy_grads"] else _take_grad(leaf)))
+                    leaf.register_post_accumulate_grad_hook(lambda leaf, name=name: self._hand(name, leaf))
         return self.local_inputs(records, cached)
+
+    def _hand(self, name: str, leaf: torch.Tensor) -> None:
+        """A call leaf's gradient, accumulated by autograd, to its parameter (``call_inputs``)."""
+        g = _take_grad(leaf)
+        if self.__dict__["_copy_grads"]:
+            g = g.clone()
+        if name not in self.__dict__["_partial"]:
+            hand_grad(self.param(name), g)
+            return
+        held = self.__dict__["_held"]
+        if not held:       # the first share of this backward: sum them all when it ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._hand_partial)
+        held.append((name, g))
+
+    def _hand_partial(self) -> None:
+        held, self.__dict__["_held"] = self.__dict__["_held"], []
+        held.sort(key=lambda ng: ng[0])     # one order on every tp rank, whatever order autograd ran in
+        sum_over_tp(self.tp, [g for _, g in held])
+        for name, g in held:
+            hand_grad(self.param(name), g)
 
     def local_inputs(self, records, leaves: dict | None = None) -> list:
         """The graph's parameter inputs for a program: local shards, padded and cast as it was compiled

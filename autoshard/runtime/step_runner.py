@@ -29,6 +29,7 @@ from autoshard.ir.errors import InputError
 from autoshard.ir.options import check_finite_enabled, dump_dir
 from autoshard.ir.pipeline import PipelineProgram
 from autoshard.ir.schedule import Kind
+from autoshard.ir.partial_grads import TP_PARTIAL_GRADS, sum_over_tp
 from autoshard.ir.weight_grad import WEIGHT_GRAD_PLAN
 from autoshard.ir.simulator import Timeline
 from autoshard.runtime import training
@@ -219,6 +220,7 @@ class StepRunner:
         if run.reducer is not None:
             run.reducer.finish()                 # the dp sums, overlapped with the last backward
             self.dp_reducer = run.reducer
+        self._sum_partial_grads(run.leaves)    # after the dp sum: sums over dp and tp commute
         params.accumulate_step_grads(run.leaves)
         self._sum_tied_grads(saved_tied)       # after the dp sum: both are complete sums, in either order
         loss = self._global_loss(run)
@@ -244,6 +246,15 @@ class StepRunner:
         if self._leaves is not None and self._leaves[1] is not None:
             self._leaves[1].close()
         self._leaves = None
+
+    def _sum_partial_grads(self, leaves: dict) -> None:
+        """The gradients each tp rank computed only its share of (``ir/partial_grads``), summed over tp in
+        one call: this step's alone, since the leaves start every step without one."""
+        partial = getattr(self.program, "gm", None) is not None and self.program.gm.meta.get(TP_PARTIAL_GRADS)
+        if partial:
+            grads = [leaves[n].grad for n in partial.names if n in leaves and leaves[n].grad is not None]
+            if grads:
+                sum_over_tp(self.module.comms["tp"], grads)
 
     # --- tied weights ---------------------------------------------------------------------------------
     def _tied(self):

@@ -125,8 +125,11 @@ def _sequence_gather(op, comm, x):
 
 
 def _column_parallel_matmul(op, comm, x, weight, bias=None):
-    """f, then the matmul: Inductor schedules the gradient's all-reduce against dW itself."""
-    return F.linear(C.CopyToParallel.apply(x, FunctionalComm.of(comm)), weight.t() if op.transposed else weight, bias)
+    """f (or the sequence gather), then the matmul: Inductor schedules the gradient's collective against
+    dW itself."""
+    x = (C.CopyToParallel.apply(x, FunctionalComm.of(comm)) if op.gather_dim is None
+         else C.SequenceGather.apply(x, FunctionalComm.of(comm), op.gather_dim))
+    return F.linear(x, weight.t() if op.transposed else weight, bias)
 
 
 def _vocab_parallel_cross_entropy(op, comm, logits, target):

@@ -1,7 +1,8 @@
 """A user's training loop off the happy path, on 4 gloo ranks (``tests/harness/loop_edge_checks.py``): frozen and
 unfrozen parameters, param groups and an LR scheduler on ZeRO-1, an uneven vocab over tp, a summed
 loss, bf16 mixed precision on dp x pp with ZeRO-1, checkpoints with frozen parameters, real weights into
-a pipeline, and a clear no_grad error."""
+a pipeline, sequence parallelism with gradient accumulation in the user's loop, and a clear no_grad
+error."""
 from tests.harness.distributed import run_distributed
 from tests.harness.loop_edge_checks import suite
 
@@ -38,3 +39,5 @@ def test_training_loop_edges_match_single_device(tmp_path):
         assert abs(e["eval_step"] - e["want_eval_step"]) <= 1e-5 * abs(e["want_eval_step"]), e   # pm.eval(): no dropout
         assert e["eval_step_grad_err"] < 1e-5, e
         assert e["twins"] == 1 and all(abs(g - w) <= 1e-5 * abs(w) for g, w in zip(e["bounded"], e["want_bounded"])), e
+        for how, sp in r["sp"].items():
+            assert sp["grad_err"] < 1e-5 and max(sp["losses"]) < 1e-5, (how, sp)

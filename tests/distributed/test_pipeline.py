@@ -27,6 +27,9 @@ TWO_RANKS = [
     ("hf", dict(pp=2), dict(microbatches=2, recompute="selective"), {}),   # each attention core again
     ("family", dict(pp=2), dict(microbatches=2, schedule="gpipe"), dict(family="llama", hidden=32, heads=4, kv_heads=2)),
     ("gpt", dict(tp=2), dict(microbatches=4), GPT),                     # pp = 1: gradient accumulation
+    ("hf", dict(tp=2), dict(microbatches=2, sequence_parallel=True), {}),   # GPT-2's Conv1D under SP
+    ("family", dict(tp=2), dict(microbatches=2, sequence_parallel=True),    # Llama's rotary tables under SP
+     dict(family="llama", hidden=32, heads=4, kv_heads=2)),
 ]
 FOUR_RANKS = [
     ("gpt", dict(pp=4), dict(microbatches=4, schedule="interleaved", virtual_stages=2, late_receives=True), GPT),

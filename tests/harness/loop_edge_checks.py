@@ -253,10 +253,52 @@ def mixed_precision_with_rotary_tables(rank, world):
                            dict(family="llama", kv_heads=2, tie_word_embeddings=True), steps=2)
 
 
+def sequence_parallel_with_accumulation(rank, world):
+    """Sequence parallelism with gradient accumulation, two half batches per AdamW step, 3 steps, against
+    the single-device model accumulating the same halves: the user's loop (``pm(...)`` + ``backward()``)
+    at tp=4, and ``pm.step`` at dp=2 x tp=2. The norms' gradient shares are summed over tp once per
+    backward, or once per step after the dp sum (``ir/partial_grads``): each call's alone, added onto
+    ``.grad`` as autograd would."""
+    from tests.harness.parity_checks import gradient_errors
+    out = {}
+    for how, dims in (("call", dict(tp=4)), ("step", dict(dp=2, tp=2))):
+        mesh = autoshard.init_mesh(**dims)
+        model = build("gpt", vocab_size=VOCAB, n_layer=2)
+        ref = copy.deepcopy(model)
+        halves = [[t[i * 4:(i + 1) * 4] for t in _global(0)] for i in range(2)]
+        pm = autoshard.parallelize(copy.deepcopy(model), mesh, *autoshard.local_batch((halves[0], {}), mesh),
+                                   loss_only=True, sequence_parallel=True)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-4)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
+        losses, grad_err = [], 0.0
+        for step in range(3):
+            halves = [[t[i * 4:(i + 1) * 4] for t in _global(step)] for i in range(2)]
+            got = want = 0.0
+            for half in halves:
+                mine = autoshard.local_batch((half, {}), mesh)[0]
+                if how == "call":
+                    _, loss = pm(*mine)
+                    loss.backward()
+                else:
+                    loss = pm.step(*mine)
+                _, ref_loss = ref(*half)
+                ref_loss.backward()
+                got, want = got + float(loss.detach()), want + float(ref_loss.detach())
+            if step == 0:
+                grad_err = max(gradient_errors(pm, ref).values())
+            losses.append(abs(got - want) / abs(want))
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+        out[how] = dict(losses=losses, grad_err=grad_err)
+    return out
+
+
 def suite(rank, world, path):
     return dict(mixed=mixed_precision_on_the_whole_mesh(rank, world),
                 mixed_rope=mixed_precision_with_rotary_tables(rank, world),
                 zero=zero_groups_scheduler_frozen_and_checkpoint(rank, world, path),
                 pipeline=pipeline_frozen_tied_and_real_weights(rank, world),
                 summed=summed_loss_over_microbatches_and_dp(rank, world),
-                eval=eval_batch_is_the_eval_mode_loss(rank, world))
+                eval=eval_batch_is_the_eval_mode_loss(rank, world),
+                sp=sequence_parallel_with_accumulation(rank, world))

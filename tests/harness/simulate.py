@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import autoshard
 from autoshard.ir.mesh import AXES, MeshSpec
-from autoshard.runtime.comm import AxisComm
+from autoshard.runtime.comm import AxisComm, Pending
 from autoshard.runtime.module import ParallelModule
 
 
@@ -70,6 +70,12 @@ class SimComm(AxisComm):
             return super().reduce_scatter(x, dim, phase)
         self._log("reduce_scatter", x.numel(), x.element_size(), phase)
         return sum(self._exchange(x)).chunk(self.size, dim)[self.rank].contiguous()
+
+    def reduce_scatter_async(self, x, dim, phase):
+        if self.size == 1 or x.is_meta:
+            return super().reduce_scatter_async(x, dim, phase)
+        out = self.reduce_scatter(x, dim, phase)
+        return Pending(None, lambda: out)
 
 
 def sim_comms(mesh: MeshSpec) -> tuple:

@@ -1,7 +1,8 @@
 """Sequence parallelism (``parallelize(sequence_parallel=True)``): where the plan replicates the residual
 stream, it is sharded along the sequence (``passes/plan.py:sequence_shards``); the row-parallel
 all-reduces become reduce-scatters, each column-parallel input is one ``SequenceGather`` (all-gather
-forward, reduce-scatter backward), and the norms' weight gradients are summed over tp. Exact against the
+forward, reduce-scatter backward), and the norms' weight gradients are summed over tp (in one all-reduce after
+backward: ``ir/partial_grads``). Exact against the
 single-device model; the pipeline and dp runs are in ``tests/distributed/test_pipeline.py``."""
 import copy
 
@@ -33,6 +34,14 @@ def test_gpt_is_exact_and_moves_the_same_bytes(t):
     assert calls[("tp", "fwd", "reduce_scatter")] == calls[("tp", "fwd", "all_gather")] > 0
     assert calls[("tp", "bwd", "reduce_scatter")] == calls[("tp", "bwd", "all_gather")] > 0
     assert _ring_bytes(sp) <= 1.1 * _ring_bytes(plain)           # RS + AG of the stream = one AR, as Megatron
+    # the norms' weight and bias gradients (each rank's share: its tokens) are summed over tp in one
+    # all-reduce after backward (ir/partial_grads), not one f each: 4 per layer + the final norm's 2
+    summed = [c for c in sp.collectives if c.axis == "tp" and c.phase == "bwd" and c.kind == "all_reduce"]
+    assert [c.node for c in summed] == ["after backward"] and "14 parameters" in summed[0].what
+    # each layer's two gathers are fused into the column-parallel matmul they feed: the gradient's
+    # reduce-scatter overlaps dW (the LM head's stays apart, for the chunked loss)
+    fused = [c for c in sp.collectives if c.kind == "reduce_scatter" and "overlapped with dW" in c.what]
+    assert len(fused) == 4, [(c.node, c.what) for c in sp.collectives]
     ref = copy.deepcopy(model)
     want = ref(*args)[1]
     want.backward()

@@ -22,46 +22,57 @@ from autoshard.planner.shape import BUILTIN, model_shape
 from tests.harness.parity_checks import rel
 from tests.harness.simulate import simulate
 
-# SC'21's 1.7B GPT (24 layers, h 2304, 24 heads, s 2048) on pp=2 x tp=4, 8 microbatches of 2, attention
-# keeping its s x s matrix (so selective recompute has something to drop)
+# SC'21's 1.7B GPT (24 layers, h 2304, 24 heads, s 2048) at tp=4, 8 microbatches of 2, attention keeping
+# its s x s matrix (so selective recompute has something to drop); pp=2 where stages differ
 SHAPE = BUILTIN["gpt-1.7b"]
 MESH = dict(dp=1, pp=2, tp=4, b=2, m=8)
+WALK = dict(MESH, pp=1)
 LADDER = ["TP alone", "TP + SP", "TP + SP + selective recompute", "TP + SP + full recompute"]
 MiB = 2**20
 
 
-def _choose(limit, **kw):
-    return choose(SHAPE, limit, **MESH, cluster=DGX_A100, flash=False, **kw)
+def _choose(limit, mesh=MESH, **kw):
+    return choose(SHAPE, limit, **mesh, cluster=DGX_A100, flash=False, **kw)
+
+
+def test_sequence_parallelism_wins_outright_where_pipeline_sends_shrink():
+    """Without a pipeline SP costs a little time (its norms' gradient all-reduce); with one, each boundary
+    send is 1/t of the bytes, so SP is faster *and* smaller: TP alone is never the choice there."""
+    alone = {r.name: r for r in _choose(1e15, WALK).rungs}
+    assert alone["TP alone"].step_seconds < alone["TP + SP"].step_seconds
+    piped = _choose(1e15)
+    by = {r.name: r for r in piped.rungs}
+    assert by["TP + SP"].step_seconds < by["TP alone"].step_seconds and by["TP + SP"].bytes < by["TP alone"].bytes
+    assert piped.chosen.name == "TP + SP"
 
 
 def test_lowering_the_limit_walks_the_ladder_then_names_the_missing_bytes():
-    free = _choose(1e15)
+    free = _choose(1e15, WALK)
     names = [r.name for r in free.rungs]
     assert names == LADDER, names                            # the ladder is the order of the time they add
     steps = [r.step_seconds for r in free.rungs]
     assert steps == sorted(steps) and len(set(steps)) == 4
     sizes = [r.bytes for r in free.rungs]
     assert all(a > b for a, b in zip(sizes, sizes[1:])), sizes   # each rung holds less than the one before
-    for r in free.rungs:                                     # the bytes are the cost model's, rank by rank
-        c = Candidate(1, 2, 4, 2, 8, 1, r.recompute, 0, r.sp)
+    for r in free.rungs:                                     # the bytes are the cost model's
+        c = Candidate(1, 1, 4, 2, 8, 1, r.recompute, 0, r.sp)
         assert r.bytes == predict(SHAPE, DGX_A100, c, flash=False).memory.total
-        assert r.stage_bytes == tuple(stage_memory(SHAPE, c, k, flash=False).total for k in range(2))
-        assert max(r.stage_bytes) == r.bytes
+        assert r.stage_bytes == (stage_memory(SHAPE, c, 0, flash=False).total,) == (r.bytes,)
     chosen = []
     for i, rung in enumerate(free.rungs):
-        at = _choose(rung.bytes)                             # exactly its bytes: it fits
+        at = _choose(rung.bytes, WALK)                       # exactly its bytes: it fits
         assert at.chosen.name == rung.name
         assert [x.rung.name for x in at.rejected] == LADDER[:i]
         assert all(x.missing > 0 and "more than memory_limit" in x.reason() for x in at.rejected)
         below = rung.bytes - 1                               # a byte less: the next rung down
         if i + 1 < len(free.rungs):
-            assert _choose(below).chosen.name == LADDER[i + 1]
+            assert _choose(below, WALK).chosen.name == LADDER[i + 1]
         chosen.append(at.chosen.options())
     assert chosen == [{"recompute": False, "sequence_parallel": False}, {"recompute": False, "sequence_parallel": True},
                       {"recompute": "selective", "sequence_parallel": True}, {"recompute": True, "sequence_parallel": True}]
     smallest = free.rungs[-1].bytes
     with pytest.raises(MemoryLimitError) as e:
-        _choose(smallest - 3 * MiB)
+        _choose(smallest - 3 * MiB, WALK)
     assert e.value.missing == pytest.approx(3 * MiB)
     msg = str(e.value)
     assert f"{3 * MiB} bytes (3.0 MiB) missing per rank" in msg and "TP + SP + full recompute" in msg
@@ -82,26 +93,26 @@ def test_each_stage_holds_its_own_microbatches_in_flight():
     """1F1B's first stage holds p microbatches of its layers, the last one (and the logits): one choice
     runs on every stage, and ``per_stage`` says what each would take alone."""
     free = _choose(1e15)
-    tp_alone = free.rungs[0]
-    first, last = tp_alone.stage_bytes
+    fastest = free.rungs[0]
+    first, last = fastest.stage_bytes
     assert first > last
     between = _choose((first + last) / 2)
     alone = between.per_stage()
-    assert alone[1].name == "TP alone" and alone[0].name != "TP alone"
-    assert between.chosen is not tp_alone and "Each stage alone" in "\n".join(between.lines())
+    assert alone[1].name == fastest.name and alone[0].name != fastest.name
+    assert between.chosen is not fastest and "Each stage alone" in "\n".join(between.lines())
 
 
 def test_settings_the_user_gave_are_kept_and_only_checked():
     assert rungs_for(4, 2048, sp=False) == [("none", False), ("selective", False), ("full", False)]
     assert rungs_for(1, 2048) == [("none", False), ("selective", False), ("full", False)]
     assert rungs_for(4, 2048, recompute="full") == [("full", False), ("full", True)]
-    free = _choose(1e15)
-    sp_bytes = free.rungs[1].bytes
-    checked = _choose(1e15, recompute="none", sp=False)
+    free = _choose(1e15, WALK)
+    sp_bytes = {r.name: r for r in free.rungs}["TP + SP"].bytes
+    checked = _choose(1e15, WALK, recompute="none", sp=False)
     assert [r.name for r in checked.rungs] == ["TP alone"] and checked.fixed == ("recompute", "sequence_parallel")
     with pytest.raises(MemoryLimitError, match=r"TP alone \(recompute=False, sequence_parallel=False, as given\).*"
                                                r"Leave recompute and sequence_parallel out and memory_limit chooses TP \+ SP"):
-        _choose(sp_bytes, recompute="none", sp=False)
+        _choose(sp_bytes, WALK, recompute="none", sp=False)
     with pytest.raises(ValueError, match="sequence_parallel=True shards the sequence over tp, but tp=1"):
         choose(SHAPE, 1e15, tp=1, sp=True)
     with pytest.raises(ValueError, match="positive number"):
