@@ -25,6 +25,7 @@ import warnings
 import torch.fx as fx
 
 from autoshard.ir.meta import RECOMPUTE, RECOMPUTE_PLAN
+from autoshard.ir.pipeline import STAGE_PLAN
 from autoshard.ir.recompute import RecomputePlan, RecomputeRegion
 from autoshard.passes.pipeline_split import activations, candidates, layer_of, layer_prefix
 from autoshard.passes.shapes import module_path, writes_in_place
@@ -59,6 +60,29 @@ def plan_regions(gm: fx.GraphModule) -> list[RecomputeRegion]:
     return regions
 
 
+def stage_of_positions(gm: fx.GraphModule) -> list:
+    """The pipeline stage (chunk) of each node position: the stages' cuts (``STAGE_PLAN``) split the graph
+    in order. One stage when the program has no cuts."""
+    stages = gm.meta.get(STAGE_PLAN)
+    nodes = list(gm.graph.nodes)
+    sent = set(stages.boundaries) if stages is not None else set()
+    out, k = [], 0
+    for n in nodes:
+        out.append(k)          # a boundary belongs to the stage that sends it
+        if n.name in sent:
+            k += 1
+    return out
+
+
+def in_recompute_stages(gm: fx.GraphModule, regions: list, stages: tuple | None) -> list:
+    """The regions whose first node lies in one of ``stages`` (``CompileOptions.recompute_stages``; None:
+    all): the memory limit may ask only the stages that hold the most microbatches to recompute."""
+    if stages is None:
+        return list(regions)
+    of = stage_of_positions(gm)
+    return [r for r in regions if of[r.first_index] in stages]
+
+
 def _writer(nodes: list, region: RecomputeRegion) -> fx.Node | None:
     """A node of the region that writes in place (a buffer's running statistic, a counter): running the
     region again would write twice, and checkpoint refuses an input changed under it."""
@@ -70,7 +94,7 @@ def recompute_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         return gm
     nodes = list(gm.graph.nodes)
     regions, skipped = [], []
-    for region in plan_regions(gm):
+    for region in in_recompute_stages(gm, plan_regions(gm), ctx.options.recompute_stages):
         writer = _writer(nodes, region)
         if writer is None:
             regions.append(region)

@@ -23,6 +23,7 @@ from autoshard.ir.meta import RECOMPUTE, RECOMPUTE_PLAN
 from autoshard.ir.recompute import RecomputePlan, RecomputeRegion
 from autoshard.passes.attention import attentions
 from autoshard.passes.pipeline_split import layer_of, layer_prefix
+from autoshard.passes.recompute import in_recompute_stages
 from autoshard.passes.shapes import module_path, writes_in_place
 
 
@@ -57,6 +58,7 @@ def selective_recompute_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if ctx.options.recompute != "selective":
         return gm
     regions, skipped = attention_core_regions(gm)
+    regions = in_recompute_stages(gm, regions, ctx.options.recompute_stages)
     nodes = list(gm.graph.nodes)
     for k, region in enumerate(regions):
         for n in nodes[region.first_index:region.last_index + 1]:

@@ -18,10 +18,11 @@ chosen; when none does, ``MemoryLimitError`` says how many bytes each rank misse
 order is the prices', not the list's: with a pipeline, SP's boundary sends are 1/t of the bytes, so TP +
 SP is faster than TP alone as well as smaller, and TP alone is never chosen there.
 
-One choice for every pipeline stage: the compiler takes one recompute setting for the whole model, and
-SP shards the stage boundaries, so every stage must agree. The record lists what each stage holds under
-each rung (1F1B's first stage holds p microbatches in flight, the last one and the logits); the most
-loaded stage is what must fit.
+The most loaded stage decides the rung (1F1B's first stage holds p microbatches in flight, the last one
+and the logits). SP shards the stage boundaries, so every stage runs it where chosen; recompute runs only
+on the stages that would not fit without it (``recompute_stages``, which the recompute passes read), so
+the stages that hold fewer microbatches do not pay its time. One recompute kind for the model: a stage
+that needs full recompute makes the chosen kind full.
 
 ``memory_options`` is what ``parallelize(..., memory_limit=...)`` runs: it reads the model's sizes and
 the batch, chooses, and sets ``recompute`` and ``sequence_parallel`` (or, where the user set them,
@@ -101,6 +102,7 @@ class MemoryChoice:
     rungs: tuple              # every rung priced, fastest first
     chosen: Rung
     fixed: tuple = ()         # the settings the user gave ("recompute", "sequence_parallel"): only checked
+    recompute_stages: tuple | None = None   # the stages that recompute (None: every stage, or no recompute)
 
     @property
     def rejected(self) -> tuple:
@@ -109,12 +111,15 @@ class MemoryChoice:
         return tuple(Rejection(r, self.limit) for r in faster)
 
     def options(self) -> dict:
-        return self.chosen.options()
+        out = self.chosen.options()
+        if self.recompute_stages is not None:
+            out["recompute_stages"] = self.recompute_stages
+        return out
 
     def per_stage(self) -> tuple:
         """For each pipeline stage, the fastest rung that stage alone would fit with (None: none), the
-        stage's own microbatches in flight counted: what a per-stage choice would take. Advisory: the
-        compiler applies one setting to every stage."""
+        stage's own microbatches in flight counted. Advisory: one recompute kind and one SP setting run
+        on every stage that recomputes (``recompute_stages``)."""
         return tuple(next((r for r in self.rungs if r.stage_bytes[k] <= self.limit), None) for k in range(self.pp))
 
     def summary(self) -> str:
@@ -122,6 +127,9 @@ class MemoryChoice:
         head = (f"memory_limit={size(self.limit)} per rank: {self.chosen.name} "
                 f"({size(self.chosen.bytes)} on the most loaded rank; recompute={self.options()['recompute']!r}, "
                 f"sequence_parallel={self.chosen.sp})")
+        if self.recompute_stages is not None:
+            head += (f", only on stage(s) {', '.join(map(str, self.recompute_stages))}: the others fit without "
+                     "recomputing")
         if self.fixed:
             return head + f": as given ({', '.join(self.fixed)}), it fits"
         if self.rejected:
@@ -134,8 +142,8 @@ class MemoryChoice:
                f"`memory_limit` = {self.limit:.0f} bytes ({size(self.limit)}) per rank for {self.model} on "
                f"dp={self.dp} pp={self.pp} tp={self.tp}, microbatches of {self.b} rows, m={self.m}, v={self.v}"
                f"{', ZeRO-1' if self.zero else ''}. Bytes are the planner's cost model's (bf16 activations, "
-               f"18 bytes a parameter); the times ({self.cluster}) only rank the rungs. One choice for every "
-               "stage: the compiler takes one recompute setting and SP shards the stage boundaries.", "",
+               f"18 bytes a parameter); the times ({self.cluster}) only rank the rungs. The most loaded stage "
+               "decides the rung; its recompute runs only on the stages that need it.", "",
                "| rung | recompute | SP | bytes (most loaded rank) | bytes per stage | predicted step s | verdict |",
                "|---|---|---|---|---|---|---|"]
         for r in self.rungs:
@@ -150,7 +158,13 @@ class MemoryChoice:
                        f"{stages} | {r.step_seconds:.3g} | {verdict} |")
         if self.pp > 1:
             alone = "; ".join(f"stage {k}: {r.name if r else 'none fits'}" for k, r in enumerate(self.per_stage()))
-            out += ["", f"Each stage alone (its own microbatches in flight; not applied, one setting runs): {alone}."]
+            out += ["", f"Each stage alone (its own microbatches in flight): {alone}."]
+            if self.recompute_stages is not None:
+                none = next(r for r in self.rungs if r.recompute == "none" and r.sp == self.chosen.sp)
+                per = "; ".join(f"stage {k}: {self.chosen.recompute} recompute" if k in self.recompute_stages else
+                                f"stage {k}: none ({size(none.stage_bytes[k])} fits)" for k in range(self.pp))
+                out += ["", f"Applied per stage (one recompute kind, only where a stage needs it; SP, where "
+                            f"chosen, runs on every stage since it shards their boundaries): {per}."]
         return out + [""]
 
 
@@ -206,7 +220,22 @@ def choose(shape: ModelShape, limit: float, *, dp: int = 1, pp: int = 1, tp: int
         smallest = min(ladder, key=lambda r: r.bytes)
         raise MemoryLimitError(_nothing_fits(shape, limit, smallest, dp, pp, tp, b, m, v, zero, fixed, cluster,
                                              flash, schedule, activation_bytes), smallest.bytes, limit)
-    return MemoryChoice(shape.name, dp, pp, tp, b, m, v, zero, float(limit), cluster.name, ladder, chosen, fixed)
+    return MemoryChoice(shape.name, dp, pp, tp, b, m, v, zero, float(limit), cluster.name, ladder, chosen, fixed,
+                        _stages_that_recompute(ladder, chosen, limit, pp, fixed))
+
+
+def _stages_that_recompute(ladder, chosen: Rung, limit: float, pp: int, fixed: tuple) -> tuple | None:
+    """The stages that must run the chosen recompute: those that would not fit without it (with the same
+    SP). 1F1B's first stages hold the most microbatches in flight; the last ones often fit as they are,
+    and skip the recompute's time. None: every stage (or nothing to narrow: no recompute, one stage, or a
+    recompute the user gave)."""
+    if chosen.recompute == "none" or pp == 1 or "recompute" in fixed:
+        return None
+    none = next((r for r in ladder if r.recompute == "none" and r.sp == chosen.sp), None)
+    if none is None:
+        return None
+    stages = tuple(k for k in range(pp) if none.stage_bytes[k] > limit)
+    return None if len(stages) == pp else stages
 
 
 def _nothing_fits(shape, limit, smallest: Rung, dp, pp, tp, b, m, v, zero, fixed, cluster, flash, schedule,

@@ -23,6 +23,7 @@ TWO_RANKS = [
     ("gpt", dict(pp=2), dict(microbatches=4, schedule="interleaved", virtual_stages=2, late_receives=True), GPT),
     ("gpt", dict(pp=2), dict(microbatches=2, schedule="1f1b"), dict(n_layer=5, tie_weights=False, fused_qkv=False)),
     ("gpt", dict(pp=2), dict(microbatches=2, pipeline_cuts=[1]), GPT),
+    ("gpt", dict(pp=2), dict(microbatches=2, recompute=True, recompute_stages=(0,)), GPT),  # as memory_limit asks
     ("hf", dict(pp=2), dict(microbatches=2), {}),
     ("hf", dict(pp=2), dict(microbatches=2, recompute="selective"), {}),   # each attention core again
     ("family", dict(pp=2), dict(microbatches=2, schedule="gpipe"), dict(family="llama", hidden=32, heads=4, kv_heads=2)),

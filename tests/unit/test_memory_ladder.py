@@ -100,6 +100,34 @@ def test_each_stage_holds_its_own_microbatches_in_flight():
     alone = between.per_stage()
     assert alone[1].name == fastest.name and alone[0].name != fastest.name
     assert between.chosen is not fastest and "Each stage alone" in "\n".join(between.lines())
+    # the chosen recompute runs only where it is needed: the last stage fits without it
+    assert between.chosen.recompute != "none" and between.recompute_stages == (0,)
+    assert between.options()["recompute_stages"] == (0,) and "only on stage(s) 0" in between.summary()
+    assert "stage 1: none" in "\n".join(between.lines())
+    assert _choose(1e15).recompute_stages is None                          # nothing recomputes
+    tight = _choose(min(r.bytes for r in free.rungs if r.recompute == "none") / 2)
+    assert tight.recompute_stages in (None, (0,))                         # every stage, or still only the first
+
+
+def test_recompute_stages_limits_the_regions_to_those_stages():
+    """``recompute_stages``: the full and selective recompute passes keep only the regions of the stages
+    named (a 4-layer GPT cut in two: layers 0-1 on stage 0, 2-3 on stage 1)."""
+    from autoshard.ir.meta import RECOMPUTE_PLAN
+    _, idx, tgt = _gpt()
+    model = GPT(GPTConfig(n_layer=4, n_embd=32, n_head=4, vocab_size=64, block_size=16, flash=False))
+
+    def layers(recompute, stages):
+        prog = autoshard.compile_pipeline(model, {"pp": 2}, 0, (idx, tgt), {}, options=autoshard.CompileOptions(
+            loss_only=True, recompute=recompute, recompute_stages=stages,
+            pipeline=autoshard.PipelineOptions(microbatches=2, cuts=(2,))))
+        return [r.layer for r in prog.gm.meta[RECOMPUTE_PLAN].regions]
+    assert layers(True, None) == [0, 1, 2, 3]
+    assert layers(True, (0,)) == [0, 1] and layers(True, (1,)) == [2, 3]
+    assert layers("selective", (1,)) == [2, 3]
+    with pytest.raises(ValueError, match="recompute_stages=.*tuple of ints"):
+        autoshard.CompileOptions(recompute=True, recompute_stages=0)
+    with pytest.raises(ValueError, match="with recompute=False"):
+        autoshard.CompileOptions(recompute=False, recompute_stages=(0,))
 
 
 def test_settings_the_user_gave_are_kept_and_only_checked():
