@@ -294,6 +294,52 @@ def sequence_parallel_with_accumulation(rank, world):
     return out
 
 
+def dropout_on_tp_shards(rank, world):
+    """Dropout 0.1 at tp=4 with sequence parallelism and manual attention: the stream's dropouts act on
+    sequence shards and the attention's on head shards, and each draws the whole tensor's mask and keeps
+    its part (``passes/sharded_dropout.py``), so with every rank seeded as the single device is, the
+    losses, gradients and 3 AdamW steps are the model's: in the user's loop and in ``pm.step`` with 2
+    microbatches (run in order: the reference steps on the same halves)."""
+    from tests.harness.parity_checks import gradient_errors
+    out = {}
+    for how in ("call", "step"):
+        mesh = autoshard.init_mesh(tp=4)
+        model = build("gpt", vocab_size=VOCAB, n_layer=2, dropout=0.1, flash=False)
+        ref = copy.deepcopy(model)
+        pm = autoshard.parallelize(copy.deepcopy(model), mesh, _global(0), loss_only=True, sequence_parallel=True,
+                                   **({"microbatches": 2} if how == "step" else {}))
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-4)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
+        losses, grad_err = [], 0.0
+        for step in range(3):
+            batch_ = _global(step)
+            torch.manual_seed(100 + step)
+            if how == "call":
+                _, loss = pm(*batch_)
+                loss.backward()
+            else:
+                loss = pm.step(*batch_)
+            torch.manual_seed(100 + step)
+            if how == "call":
+                _, want = ref(*batch_)
+                want.backward()
+            else:             # the halves in order, each a mean over its own non-ignored targets
+                count = [int((t != -100).sum()) for t in (batch_[1][:4], batch_[1][4:])]
+                want = 0.0
+                for half, n in zip(((batch_[0][:4], batch_[1][:4]), (batch_[0][4:], batch_[1][4:])), count):
+                    _, part = ref(*half)
+                    (part * n / sum(count)).backward()
+                    want = want + part.detach() * n / sum(count)
+            if step == 0:
+                grad_err = max(gradient_errors(pm, ref).values())
+            losses.append(abs(float(loss.detach()) - float(want.detach())) / abs(float(want.detach())))
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+        out[how] = dict(losses=losses, grad_err=grad_err)
+    return out
+
+
 def suite(rank, world, path):
     return dict(mixed=mixed_precision_on_the_whole_mesh(rank, world),
                 mixed_rope=mixed_precision_with_rotary_tables(rank, world),
@@ -301,4 +347,5 @@ def suite(rank, world, path):
                 pipeline=pipeline_frozen_tied_and_real_weights(rank, world),
                 summed=summed_loss_over_microbatches_and_dp(rank, world),
                 eval=eval_batch_is_the_eval_mode_loss(rank, world),
-                sp=sequence_parallel_with_accumulation(rank, world))
+                sp=sequence_parallel_with_accumulation(rank, world),
+                dropout=dropout_on_tp_shards(rank, world))
