@@ -75,12 +75,20 @@ def stage_of_positions(gm: fx.GraphModule) -> list:
 
 
 def in_recompute_stages(gm: fx.GraphModule, regions: list, stages: tuple | None) -> list:
-    """The regions whose first node lies in one of ``stages`` (``CompileOptions.recompute_stages``; None:
-    all): the memory limit may ask only the stages that hold the most microbatches to recompute."""
+    """The regions on the pipeline ranks ``stages`` (``CompileOptions.recompute_stages``; None: all): the
+    memory limit may ask only the ranks that hold the most microbatches to recompute. A region's chunk
+    comes from the cuts, its rank from the schedule (an interleaved rank holds several chunks)."""
     if stages is None:
         return list(regions)
+    plan = gm.meta.get(STAGE_PLAN)
+    schedule = getattr(plan, "schedule", None)
+    ranks = schedule.pp if schedule is not None else (plan.num_stages if plan is not None else 1)
+    if any(k >= ranks for k in stages):
+        raise ValueError(f"recompute_stages={stages}: this program has {ranks} pipeline rank(s), numbered from 0 "
+                         f"to {ranks - 1}")
+    rank_of = schedule.rank_of if schedule is not None else (lambda chunk: chunk)
     of = stage_of_positions(gm)
-    return [r for r in regions if of[r.first_index] in stages]
+    return [r for r in regions if rank_of(of[r.first_index]) in stages]
 
 
 def _writer(nodes: list, region: RecomputeRegion) -> fx.Node | None:

@@ -142,7 +142,9 @@ def tp_rewrite_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     out = fx.GraphModule(root, g)
     if deferred:
         numel = sum(math.prod(local_shape(shape_of(u), Replicate(), t)) for u in deferred)
-        out.meta[TP_PARTIAL_GRADS] = PartialGrads(tuple(deferred.values()), numel, val(next(iter(deferred))).element_size())
+        # the sum runs on the parameters' gradients: fp32 under mixed precision, whatever the compute dtype
+        itemsize = 4 if ctx.options.mixed_precision else val(next(iter(deferred))).element_size()
+        out.meta[TP_PARTIAL_GRADS] = PartialGrads(tuple(deferred.values()), numel, itemsize)
     return out
 
 

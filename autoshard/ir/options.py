@@ -153,7 +153,7 @@ class CompileOptions:
     fuse: bool | str = "auto"                         # generated Triton kernels: True, False, "auto" (on CUDA)
     loss_chunk_rows: int | str | None = "auto"        # LM head + loss chunked over tokens: rows per chunk, or None
     recompute: bool | str = "auto"                    # each layer recomputed in backward; "auto": the model's flag
-    recompute_stages: tuple | None = None             # the pipeline stages whose layers recompute (None: all)
+    recompute_stages: tuple | None = None             # the pipeline ranks whose layers recompute (None: all)
     loss_fn: object = None                            # loss_fn(model output, target): compiled in (torch pipelining's)
     codegen: str = "auto"                             # "autoshard" (eager ops + fuse's kernels), "inductor", "auto"
     cuda_graphs: bool = False                         # replay each program as CUDA graphs (codegen="inductor", CUDA)
@@ -174,8 +174,8 @@ class CompileOptions:
             stages = self.recompute_stages
             if isinstance(stages, int) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0
                                                   for k in stages):
-                raise ValueError(f"recompute_stages={stages!r}: give the pipeline stages (0 first) whose layers "
-                                 "recompute, as a tuple of ints, or None for every stage")
+                raise ValueError(f"recompute_stages={stages!r}: give the pipeline ranks (0 first) whose layers "
+                                 "recompute, as a tuple of ints, or None for every rank")
             if self.recompute is False:
                 raise ValueError(f"recompute_stages={tuple(stages)} with recompute=False: say how those stages "
                                  "recompute (recompute=True or 'selective')")

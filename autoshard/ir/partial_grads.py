@@ -37,14 +37,15 @@ class PartialGrads:
                                 "sharded uses), one call for all")
 
 
-def sum_over_tp(comm, grads: list) -> None:
-    """Sum ``grads`` (tensors, the same list on every tp rank) over ``comm`` in place: one all-reduce per
-    dtype, of the gradients flattened together."""
-    by_dtype = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
+def sum_over_tp(comm, grads: list) -> list:
+    """``grads`` (the same list on every tp rank) summed over ``comm``, as new tensors in the same order:
+    one all-reduce per dtype, of the gradients flattened together (an autograd gradient may be an
+    expanded view, which no sum may be written back into)."""
+    by_dtype, out = {}, [None] * len(grads)
+    for i, g in enumerate(grads):
+        by_dtype.setdefault(g.dtype, []).append(i)
     for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        flat = comm.all_reduce(flat, "bwd")
-        for g, part in zip(same, flat.split([g.numel() for g in same])):
-            g.copy_(part.view_as(g))
+        flat = comm.all_reduce(torch.cat([grads[i].reshape(-1) for i in same]), "bwd")
+        for i, part in zip(same, flat.split([grads[i].numel() for i in same])):
+            out[i] = part.view(grads[i].shape)
+    return out

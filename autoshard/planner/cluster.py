@@ -85,7 +85,7 @@ class Cluster:
         return dataclasses.replace(self, **changes)
 
     @staticmethod
-    def measure(name: str = "measured", sizes=(64, 128, 256, 512, 1024), dtype: torch.dtype | None = None,
+    def measure(name: str = "measured", sizes=None, dtype: torch.dtype | None = None,
                 collective_bytes=(2**12, 2**16, 2**20, 2**22, 2**24), repeats: int = 7) -> "Cluster":
         """This machine's numbers: GEMM throughput over ``sizes`` (fitting the efficiency curve), a large
         copy (memory bandwidth), and, in a process group of several ranks, all-reduces over
@@ -94,6 +94,9 @@ class Cluster:
         cuda = torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl")
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+        # a GPU's GEMMs are launch-bound up to about 1024 (an H100's 1024-cube GEMM timed back to back ran
+        # at 140 TFLOP/s, its 2048-cube one at 673): its curve is measured up to 8192
+        sizes = sizes or ((256, 512, 1024, 2048, 4096, 8192) if cuda else (64, 128, 256, 512, 1024))
         # cubes, thin GEMMs (a small inner dim), and an attention core's (s, s, head_dim). Nothing under
         # ``sizes[0]``/2: a tiny GEMM's time is the op overhead, which the planner prices on its own
         shapes = ([(n, n, n) for n in sizes] + [(sizes[-1], sizes[-1], k) for k in sizes[:2]]
@@ -138,9 +141,10 @@ def _calibrated_on_a_layer(cluster: Cluster, repeats: int, hidden: int = 256, se
     from autoshard.planner.cost import OPS_PER_LAYER, Candidate, _layer_seconds
     from autoshard.planner.shape import model_shape
     cfg = GPTConfig(n_embd=hidden, n_head=4, block_size=seq, dropout=0.0, n_layer=1, vocab_size=256)
-    torch.manual_seed(0)
-    block = Block(cfg)
-    x = torch.randn(batch, seq, hidden, requires_grad=True)
+    with torch.random.fork_rng(devices=[]):     # the caller's RNG stays where it was
+        torch.manual_seed(0)
+        block = Block(cfg)
+        x = torch.randn(batch, seq, hidden, requires_grad=True)
     measured = _timed(lambda: block(x).sum().backward(), torch.device("cpu"), repeats)
     shape, c = model_shape(cfg), Candidate(1, 1, 1, batch, 1)
     compute = 3 * _layer_seconds(shape, cluster.with_(op_overhead=0.0), c, batch * seq, cfg.flash)[0]

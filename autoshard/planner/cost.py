@@ -41,7 +41,8 @@ BF16, FP32 = 2, 4
 OPS_PER_LAYER = 30        # ops a transformer layer's forward launches (norms, projections, attention, MLP, adds)
 OPS_HEAD = 12             # the LM head and the loss's
 TENSORS_PER_LAYER = 12    # parameter tensors of a layer (weights, biases, norms): the optimizer's ops go per tensor
-NORM_TENSORS = 4          # a layer's norm weights and biases: under SP their tp shares are summed once a step
+NORM_TENSORS = 6          # under SP, a layer's norm weights and biases and its two row-parallel biases meet
+                          # the sequence shard: their tp shares are summed once a step
 OPS_PER_TENSOR = 15       # a foreach AdamW's ops per parameter tensor (on a host that pays per op)
 
 
@@ -156,12 +157,16 @@ def activation_bytes_per_layer(shape: ModelShape, b: int, t: int, recompute: str
     activations): ``s b h (10 + 24/t + 5 a s / (h t))``, without the attention matrix's term when the
     attention is flash (it keeps no s x s matrix) or its core runs again (selective recompute), and only
     the layer's input (2 s b h) under full recompute. Sequence parallelism shards the replicated 10 too:
-    ``(s b h / t)(34 + 5 a s / h)``."""
+    ``(s b h / t)(34 + 5 a s / h)``, except that autoshard keeps the two column-parallel inputs (the
+    gathered norm outputs, 2 s b h bytes each) whole for the weight gradient where Megatron gathers them
+    again in backward: ``4 s b h (1 - 1/t)`` more."""
     s, h, a = shape.seq, shape.hidden, shape.heads
     if recompute == "full":
         return 2.0 * s * b * h / (t if sp else 1)
     ffn_scale = shape.ffn * (3 if shape.gated else 2) / (8 * h)     # 1 for GPT's 4h two-matrix MLP
     per_token = 10 / (t if sp else 1) + 24 / t * (0.5 + 0.5 * ffn_scale)
+    if sp and t > 1:
+        per_token += 4 * (1 - 1 / t)
     if not flash and recompute != "selective":
         per_token += 5 * a * s / (h * t)
     return s * b * h * per_token

@@ -5,7 +5,8 @@ For a model, a mesh (dp, pp, tp) and a batch, the ways to hold less, in the orde
 
 1. TP alone;
 2. TP + sequence parallelism: the replicated LayerNorm, dropout and residual activations sharded over
-   tp (``10 sbh`` becomes ``10 sbh / t``), for the same bytes communicated;
+   tp (``10 sbh`` becomes ``10 sbh / t``, less the two column-parallel inputs autoshard keeps gathered
+   for dW: ``4 sbh (1 - 1/t)``), for the same bytes communicated;
 3. TP + SP + selective recompute: the attention cores run again in backward, so no ``5 a s / (h t)``
    term (nothing to drop where attention is flash: it keeps no s x s matrix anyway);
 4. full recompute (with SP where tp > 1): each layer keeps only its input and runs again.

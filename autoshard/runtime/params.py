@@ -171,39 +171,35 @@ class ShardedParameters(nn.Module):
         replay overwrites, so each gradient is handed on as a copy (two calls accumulating into one
         ``.grad`` would otherwise read an overwritten first one).
 
-        ``partial``: the parameters whose gradient is this tp rank's share (``ir/partial_grads``): held
-        until the backward ends, then summed over tp in one call and handed on."""
+        ``partial``: the parameters whose gradient is this tp rank's share (``ir/partial_grads``). Each
+        enters this call's graph through ``_HeldShare``, whose backward keeps the share instead of
+        accumulating it; when that backward ends, the call's shares are summed over tp in one call and
+        handed on (``_PartialShares``). Bound to the call, not to the module: another program (another
+        shape, with or without sequence parallelism) running between this forward and its backward
+        changes nothing, and a backward that fails leaves nothing behind."""
         if (self.mesh is None or DTensor is None) and not partial:
             return self.local_inputs(records)
-        self.__dict__["_copy_grads"], self.__dict__["_partial"] = graphs, frozenset(partial)
+        self.__dict__["_copy_grads"] = graphs
         cached = self.__dict__.get("_call_leaves")
         if cached is None or not self.leaves_current(cached):
             cached = self.__dict__["_call_leaves"] = self.step_leaves(list(self.records))
-            self.__dict__["_held"] = []
             for name, leaf in cached.items():
                 if leaf.requires_grad:
                     leaf.register_post_accumulate_grad_hook(lambda leaf, name=name: self._hand(name, leaf))
+        if partial and torch.is_grad_enabled():
+            shares, leaves = _PartialShares(self, graphs), dict(cached)
+            for name in partial:
+                if name in leaves and leaves[name].requires_grad:
+                    leaves[name] = _HeldShare.apply(leaves[name], shares, name)
+            cached = leaves
         return self.local_inputs(records, cached)
 
     def _hand(self, name: str, leaf: torch.Tensor) -> None:
         """A call leaf's gradient, accumulated by autograd, to its parameter (``call_inputs``)."""
         g = _take_grad(leaf)
-        if self.__dict__["_copy_grads"]:
-            g = g.clone()
-        if name not in self.__dict__["_partial"]:
-            hand_grad(self.param(name), g)
+        if g is None:         # a share _HeldShare kept: autograd still visits the leaf, with nothing
             return
-        held = self.__dict__["_held"]
-        if not held:       # the first share of this backward: sum them all when it ends
-            torch.autograd.Variable._execution_engine.queue_callback(self._hand_partial)
-        held.append((name, g))
-
-    def _hand_partial(self) -> None:
-        held, self.__dict__["_held"] = self.__dict__["_held"], []
-        held.sort(key=lambda ng: ng[0])     # one order on every tp rank, whatever order autograd ran in
-        sum_over_tp(self.tp, [g for _, g in held])
-        for name, g in held:
-            hand_grad(self.param(name), g)
+        hand_grad(self.param(name), g.clone() if self.__dict__["_copy_grads"] else g)
 
     def local_inputs(self, records, leaves: dict | None = None) -> list:
         """The graph's parameter inputs for a program: local shards, padded and cast as it was compiled
@@ -311,6 +307,39 @@ class ShardedParameters(nn.Module):
                           "reset_parameters(): it starts uninitialised; load weights with load_full_state_dict")
         scratch = _on_scratch(owner, name, lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
         return getattr(scratch, leaf).detach()
+
+
+class _HeldShare(torch.autograd.Function):
+    """Identity forward; backward hands the parameter's gradient share to the call's ``_PartialShares``
+    instead of to the leaf (its gradient, for autograd, is None: nothing accumulates)."""
+
+    @staticmethod
+    def forward(ctx, leaf, shares, name):
+        ctx.shares, ctx.name = shares, name
+        return leaf.view_as(leaf)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.shares.hold(ctx.name, g)
+        return None, None, None
+
+
+class _PartialShares:
+    """One ``pm(...)`` call's gradient shares over tp: summed in one all-reduce when the backward that
+    produced them ends (a callback autograd runs then), in name order on every rank, and handed on."""
+
+    def __init__(self, params, copy: bool):
+        self.params, self.copy, self.held = params, copy, []
+
+    def hold(self, name: str, g: torch.Tensor) -> None:
+        if not self.held:
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        self.held.append((name, g.clone() if self.copy else g))
+
+    def flush(self) -> None:
+        held, self.held = sorted(self.held, key=lambda ng: ng[0]), []
+        for (name, _), g in zip(held, sum_over_tp(self.params.tp, [g for _, g in held])):
+            hand_grad(self.params.param(name), g)
 
 
 def _take_grad(leaf: torch.Tensor) -> torch.Tensor:

@@ -252,9 +252,9 @@ class StepRunner:
         one call: this step's alone, since the leaves start every step without one."""
         partial = getattr(self.program, "gm", None) is not None and self.program.gm.meta.get(TP_PARTIAL_GRADS)
         if partial:
-            grads = [leaves[n].grad for n in partial.names if n in leaves and leaves[n].grad is not None]
-            if grads:
-                sum_over_tp(self.module.comms["tp"], grads)
+            names = [n for n in partial.names if n in leaves and leaves[n].grad is not None]
+            for n, g in zip(names, sum_over_tp(self.module.comms["tp"], [leaves[n].grad for n in names])):
+                leaves[n].grad = g
 
     # --- tied weights ---------------------------------------------------------------------------------
     def _tied(self):

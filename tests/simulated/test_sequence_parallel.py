@@ -35,7 +35,8 @@ def test_gpt_is_exact_and_moves_the_same_bytes(t):
     assert calls[("tp", "bwd", "reduce_scatter")] == calls[("tp", "bwd", "all_gather")] > 0
     assert _ring_bytes(sp) <= 1.1 * _ring_bytes(plain)           # RS + AG of the stream = one AR, as Megatron
     # the norms' weight and bias gradients (each rank's share: its tokens) are summed over tp in one
-    # all-reduce after backward (ir/partial_grads), not one f each: 4 per layer + the final norm's 2
+    # all-reduce after backward (ir/partial_grads), not one f each: per layer the two norms' weights and
+    # biases and the two row-parallel biases (added on the shard), and the final norm's 2
     summed = [c for c in sp.collectives if c.axis == "tp" and c.phase == "bwd" and c.kind == "all_reduce"]
     assert [c.node for c in summed] == ["after backward"] and "14 parameters" in summed[0].what
     # each layer's two gathers are fused into the column-parallel matmul they feed: the gradient's

@@ -110,8 +110,8 @@ def test_each_stage_holds_its_own_microbatches_in_flight():
 
 
 def test_recompute_stages_limits_the_regions_to_those_stages():
-    """``recompute_stages``: the full and selective recompute passes keep only the regions of the stages
-    named (a 4-layer GPT cut in two: layers 0-1 on stage 0, 2-3 on stage 1)."""
+    """``recompute_stages``: the full and selective recompute passes keep only the regions of the pipeline
+    ranks named (a 4-layer GPT cut in two: layers 0-1 on rank 0, 2-3 on rank 1; interleaved, by rank)."""
     from autoshard.ir.meta import RECOMPUTE_PLAN
     _, idx, tgt = _gpt()
     model = GPT(GPTConfig(n_layer=4, n_embd=32, n_head=4, vocab_size=64, block_size=16, flash=False))
@@ -124,6 +124,13 @@ def test_recompute_stages_limits_the_regions_to_those_stages():
     assert layers(True, None) == [0, 1, 2, 3]
     assert layers(True, (0,)) == [0, 1] and layers(True, (1,)) == [2, 3]
     assert layers("selective", (1,)) == [2, 3]
+    # interleaved (v=2): rank 0 holds chunks 0 and 2, so layers 0 and 2
+    prog = autoshard.compile_pipeline(model, {"pp": 2}, 0, (idx, tgt), {}, options=autoshard.CompileOptions(
+        loss_only=True, recompute=True, recompute_stages=(0,), pipeline=autoshard.PipelineOptions(
+            microbatches=2, schedule="interleaved", virtual_stages=2, cuts=(1, 2, 3))))
+    assert [r.layer for r in prog.gm.meta[RECOMPUTE_PLAN].regions] == [0, 2]
+    with pytest.raises(ValueError, match=r"recompute_stages=\(2,\): this program has 2 pipeline rank"):
+        layers(True, (2,))
     with pytest.raises(ValueError, match="recompute_stages=.*tuple of ints"):
         autoshard.CompileOptions(recompute=True, recompute_stages=0)
     with pytest.raises(ValueError, match="with recompute=False"):

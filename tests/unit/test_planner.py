@@ -109,9 +109,10 @@ def test_activation_memory_is_the_papers_formula():
         assert activation_bytes_per_layer(s, b, t, "none", flash=False) == pytest.approx(want)
         assert activation_bytes_per_layer(s, b, t, "none", flash=True) == pytest.approx(seq * b * h * (10 + 24 / t))
         assert activation_bytes_per_layer(s, b, t, "full") == 2 * seq * b * h
-        # sequence parallelism: (s b h / t)(34 + 5 a s / h)
+        # sequence parallelism: (s b h / t)(34 + 5 a s / h), plus the two column-parallel inputs that
+        # autoshard keeps gathered for dW (2 s b h each, where Megatron keeps 1/t and gathers again)
         assert activation_bytes_per_layer(s, b, t, "none", flash=False, sp=True) == pytest.approx(
-            seq * b * h / t * (34 + 5 * a * seq / h))
+            seq * b * h / t * (34 + 5 * a * seq / h) + 4 * seq * b * h * (1 - 1 / t))
     # the first rank of 1F1B holds p microbatches; interleaving holds more (its warm-up)
     assert in_flight(8, 32, 1) == 8 and in_flight(8, 4, 1) == 4 and in_flight(8, 32, 1, rank=7) == 1
     assert in_flight(8, 32, 2) == 2 * 7 + 8 + 1
