@@ -40,19 +40,24 @@ def loss_fn(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def torch_pipeline(gpt, cuts: list, pp_rank: int, pp: int, v: int, m: int, group=None, zero_bubble: bool = False):
+def torch_pipeline(gpt, cuts: list, pp_rank: int, pp: int, v: int, m: int, group=None, zero_bubble: bool = False,
+                   v_shape: bool = False):
     """``(schedule, stage modules)`` for this rank: ``Schedule1F1B`` (v = 1) or
     ``ScheduleInterleaved1F1B`` over the chunks ``pp_rank, pp_rank + pp, ...``; with ``zero_bubble``,
-    ``ScheduleInterleavedZeroBubble`` (torch's ZB1P: its B/W split made by autograd at run time)."""
+    ``ScheduleInterleavedZeroBubble`` (torch's ZB1P: its B/W split made by autograd at run time); with
+    ``v_shape`` (v = 2), ``ScheduleZBVZeroBubble`` over the chunks ``pp_rank`` and ``2 pp - 1 - pp_rank``."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
-    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
     edges = [0] + list(cuts) + [len(gpt.transformer.h)]
     n = pp * v
     stages, modules = [], []
-    for s in range(pp_rank, n, pp):
+    mine = [pp_rank, 2 * pp - 1 - pp_rank] if v_shape else range(pp_rank, n, pp)
+    for s in mine:
         mod = GPTChunk(gpt, edges[s], edges[s + 1], s == 0, s == n - 1)
         modules.append(mod)
         stages.append(PipelineStage(mod, s, n, collective_device(), group=group))
+    if v_shape:
+        return ScheduleZBVZeroBubble(stages, m, loss_fn=loss_fn), modules
     if zero_bubble:
         return ScheduleInterleavedZeroBubble(stages, m, loss_fn=loss_fn), modules
     if v == 1:

@@ -3,8 +3,9 @@
     python -m benchmarks.pp_zero_bubble [--pp 2] [--m 8] [--steps 6] [--out benchmarks/results]
 
 One job of ``--pp`` (2) gloo ranks (NCCL on GPUs) trains the built-in GPT (8 layers, untied head, the same
-cuts and weights everywhere) four ways: autoshard's ``schedule="1f1b"`` and ``"zb-h1"``, and torch's
-``Schedule1F1B`` and ``ScheduleInterleavedZeroBubble`` (ZB1P, one stage a rank). The losses must agree
+cuts and weights everywhere) six ways: autoshard's ``schedule="1f1b"``, ``"zb-h1"`` and ``"zb-v"`` (2p
+stages, two a rank in a V), and torch's ``Schedule1F1B``, ``ScheduleInterleavedZeroBubble`` (ZB1P, one
+stage a rank) and ``ScheduleZBVZeroBubble`` (on ZB-V's 2p stages). The losses must agree
 first; then the four are timed in turn, step after step (A B C D A B C D ...), a step's time being the
 slowest rank's. Reported:
 
@@ -50,22 +51,27 @@ def _rank(rank, world, job):
     model = _gpt(layers, job["vocab"], job["hidden"], job["seq"], tie=False)
     x, y = _batch(job["vocab"], job["batch"], job["seq"], 0)
     mesh = autoshard.init_mesh(pp=pp)
+    vcuts = [layers * k // (2 * pp) for k in range(1, 2 * pp)]       # ZB-V: 2p stages, two a rank
     ours = {name: autoshard.parallelize(copy.deepcopy(model), mesh, (x, y), microbatches=m, schedule=name,
-                                        pipeline_cuts=cuts) for name in ("1f1b", "zb-h1")}
+                                        pipeline_cuts=vcuts if name == "zb-v" else cuts)
+            for name in ("1f1b", "zb-h1", "zb-v")}
     theirs = {name: torch_pipeline(copy.deepcopy(model), cuts, rank, pp, 1, m, zero_bubble=name == "torch zb")
               for name in ("torch 1f1b", "torch zb")}
+    theirs["torch zbv"] = torch_pipeline(copy.deepcopy(model), vcuts, rank, pp, 2, m, v_shape=True)
     last = rank == pp - 1
 
-    def torch_step(sched):
+    def torch_step(sched, holds_loss=last):
         losses = []
         args = (x,) if rank == 0 else ()
-        sched.step(*args, target=y, losses=losses) if last else sched.step(*args)
+        sched.step(*args, target=y, losses=losses) if holds_loss else sched.step(*args)
         t = torch.tensor([float(torch.stack(losses).mean()) if losses else 0.0], device=collective_device())
         dist.all_reduce(t)
         return float(t)
 
     steps = {name: (lambda pm=pm: float(pm.step(x, y))) for name, pm in ours.items()}
-    steps.update({name: (lambda s=s: torch_step(s)) for name, (s, _) in theirs.items()})
+    # ZB-V's last stage (the loss) is on rank 0, beside the first
+    steps.update({name: (lambda s=s, name=name: torch_step(s, rank == 0 if name == "torch zbv" else last))
+                  for name, (s, _) in theirs.items()})
     params = [p for pm in ours.values() for p in pm.parameters()] + \
              [p for _, mods in theirs.values() for mod in mods for p in mod.parameters()]
     peak, losses = {}, {}
@@ -129,16 +135,18 @@ def markdown(res: dict, job: dict, pp: int = 2) -> str:
              f"loss {res['loss']:.6f} on all four.", "",
              "| schedule | step ms | vs torch 1F1B | vs torch ZB | measured bubble | closed form | peak saved MiB |",
              "|---|---|---|---|---|---|---|"]
-    for name in ("1f1b", "zb-h1", "torch 1f1b", "torch zb"):
+    for name in ("1f1b", "zb-h1", "zb-v", "torch 1f1b", "torch zb", "torch zbv"):
         bubble = f"{res['bubble'][name]:.3f}" if name in res["bubble"] else "-"
         form = f"{closed[name]:.3f}" if name in closed else "-"
-        lines.append(f"| {'autoshard ' + name if name in closed else name} | {s[name] * 1e3:.1f} | "
+        lines.append(f"| {'autoshard ' + name if name in res['bubble'] else name} | {s[name] * 1e3:.1f} | "
                      f"{s[name] / s['torch 1f1b']:.3f} | {s[name] / s['torch zb']:.3f} | {bubble} | {form} | "
                      f"{pk[name] / 2**20:.2f} |")
     k = res["kinds"]["zb-h1"]
     lines += ["", f"ZB-H1's measured mean F, B, W: {k['F'] * 1e3:.2f}, {k['B'] * 1e3:.2f}, {k['W'] * 1e3:.2f} ms "
               f"(1F1B's B, input and weight gradients together: {res['kinds']['1f1b']['B'] * 1e3:.2f} ms).",
-              f"Peak saved activations, ZB-H1 over 1F1B: {pk['zb-h1'] / pk['1f1b']:.3f}.", ""]
+              f"Peak saved activations, ZB-H1 over 1F1B: {pk['zb-h1'] / pk['1f1b']:.3f}; ZB-V over 1F1B: "
+              f"{pk['zb-v'] / pk['1f1b']:.3f}. ZB-V runs 2p stages (two a rank, in a V) on the same layers; its "
+              "ideal bubble is about 0 (the paper's, with F = B = W).", ""]
     for name, path in res["svgs"].items():
         lines.append(f"![{name} measured]({path})")
     return "\n".join(lines) + "\n"

@@ -388,12 +388,17 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         best, choice = choose_schedule(priced, cuts, pp, m, costs, opts.memory_limit, ctx.options.codegen, kept)
         schedule, costs, step, peak = best.schedule, best.costs, best.step, best.peak
     elif opts.schedule in SPLIT_SCHEDULES:
-        mine = price_schedule(opts.schedule, priced, cuts, pp, m, costs, opts.memory_limit, kept)
+        mine = price_schedule(opts.schedule, priced, cuts, pp, m, costs, opts.memory_limit, kept, v)
         schedule, costs, step, peak = mine.schedule, mine.costs, mine.step, mine.peak
-        base = price_schedule("1f1b", priced, cuts, pp, m, costs, opts.memory_limit).step
-        choice = f"{opts.schedule} predicts {step * 1e3:.3f} ms a step, 1F1B {base * 1e3:.3f} ms on the same cuts."
-        if step > base * 1.001:
-            warnings.warn(f"schedule={opts.schedule!r} is predicted slower than 1F1B on these stages ({step * 1e3:.3f} "
+        against = "interleaved" if v > 1 else "1f1b"        # the unsplit schedule on the same stages
+        try:
+            base = price_schedule(against, priced, cuts, pp, m, costs, opts.memory_limit, v=v).step
+        except ValueError:       # interleaved 1F1B needs m % pp == 0
+            base = None
+        if base is not None:
+            choice = f"{opts.schedule} predicts {step * 1e3:.3f} ms a step, {against} {base * 1e3:.3f} ms on the same cuts."
+        if base is not None and step > base * 1.001:
+            warnings.warn(f"schedule={opts.schedule!r} is predicted slower than {against} on these stages ({step * 1e3:.3f} "
                           f"against {base * 1e3:.3f} ms: its split backward costs more than the bubble it fills, "
                           "or uneven stages leave W little room); schedule='auto' picks the faster", stacklevel=2)
     plan = StagePlan(stages, [cands[c - 1].boundary.name for c in cuts], costs, how, len(cands), count, step, peak,

@@ -29,10 +29,14 @@ class Priced:
     fits: bool
 
 
-def price_schedule(name: str, predict, cuts, pp: int, m: int, stages: list, memory_limit, kept: tuple | None = None) -> Priced:
+def price_schedule(name: str, predict, cuts, pp: int, m: int, stages: list, memory_limit, kept: tuple | None = None,
+                   v: int = 1) -> Priced:
     """Schedule ``name`` generated on the cut ``stages``' costs (and ``kept``: what a split B keeps for W
-    per stage), then priced by ``predict(cuts, schedule) -> (costs, step, peak)`` (``pipeline_split.predict``)."""
-    schedule = make_schedule(name, pp, m, 1, Costs.of_stages(stages, kept_bytes=kept), [c.param_bytes for c in stages])
+    per stage), then priced by ``predict(cuts, schedule) -> (costs, step, peak)`` (``pipeline_split.predict``).
+    ``v``: stages a rank (2 for ZB-V and the interleaved baseline it is set against)."""
+    draft = make_schedule(name, pp, m, v)
+    resident = [sum(stages[s].param_bytes for s in draft.stages_of(r)) for r in range(pp)]
+    schedule = make_schedule(name, pp, m, v, Costs.of_stages(stages, kept_bytes=kept), resident)
     stage_costs, step, peak = predict(cuts, schedule)
     fits = memory_limit is None or max(peak.values()) <= memory_limit
     return Priced(name, schedule, stage_costs, step, peak, fits)

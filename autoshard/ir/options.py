@@ -98,7 +98,7 @@ class CostModel:
                          op_overhead=8e-6, transcendental_rate=3e8, weight_split_overhead=0.25)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "auto")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "auto")
 CODEGENS = ("auto", "autoshard", "inductor")
 
 
@@ -133,7 +133,12 @@ class PipelineOptions:
             raise ValueError(f"schedule={self.schedule!r}: choose one of {SCHEDULES}")
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
             raise ValueError(f"virtual_stages must be an int >= 1, got {self.virtual_stages!r}")
-        if self.virtual_stages > 1 and self.schedule != "interleaved":
+        if self.schedule == "zb-v":      # two stages a rank, in a V: virtual_stages is 2 whether said or not
+            if self.virtual_stages not in (1, 2):
+                raise ValueError(f"schedule='zb-v' places two stages on each rank (a V), but virtual_stages="
+                                 f"{self.virtual_stages}: leave it out or give 2")
+            object.__setattr__(self, "virtual_stages", 2)
+        elif self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (Megatron's "
                              f"interleaved 1F1B); '{self.schedule}' runs one stage per rank")
         if self.cuts is not None:

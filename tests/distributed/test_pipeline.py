@@ -68,6 +68,9 @@ def _check(configs, results):
             assert r["exact"], config
             assert all(r["tied"].values()), (config, r["tied"])   # tied copies bit-identical after 3 steps
         if config[0] != "family" and config[3].get("tie_weights", True) and config[1].get("pp", 1) > 1:
+            if config[2].get("schedule") == "zb-v":      # a V: the first and last stages on rank 0
+                assert not per_rank[0]["ties"], config
+                continue
             assert per_rank[0]["ties"], config          # the tied head really spans two stages
             assert any(r["tied"] for r in per_rank)
 

@@ -239,3 +239,41 @@ def test_the_dp_reducer_arms_b_gradients_at_the_last_b_and_w_gradients_at_the_la
             (leaves["fc"] * 1.0).sum().backward()
     assert len(Comm.launched) == 1                        # launched at the last W, before finish()
     torch.testing.assert_close(Comm.launched[0], torch.full((20,), 3.0))
+
+
+# ------------------------------------------------------------------------------------------------ ZB-V
+
+@pytest.mark.parametrize("pp,m", [(2, 2), (2, 4), (2, 8), (3, 5), (4, 4), (4, 8), (4, 16)])
+def test_zb_v_is_valid_and_near_zero_bubble_at_1f1bs_peak(pp, m):
+    """ZB-V (two stages a rank in a V): every action once, in dependency order, transfers matched; with
+    F = B = W per chunk (half a stage's 1F1B costs), the step is within (p - 1)/2 chunk-F of the ideal
+    3 m (1F1B idles 2(p - 1) of a stage's F + B), and no rank holds more than 1F1B's first rank."""
+    from autoshard.ir.schedule import one_f_one_b, zero_bubble_v
+    s = zero_bubble_v(pp, m)
+    assert s.placement == "v" and s.split and s.virtual == 2
+    assert all(s.rank_of(r) == r and s.rank_of(2 * pp - 1 - r) == r for r in range(pp))
+    validate(add_communication(s))
+    chunk = Costs((0.5,) * (2 * pp), (1.0,) * (2 * pp), (1,) * (2 * pp))
+    v = simulate(s, chunk)
+    one = simulate(one_f_one_b(pp, m), Costs((1.0,) * pp, (2.0,) * pp, (2,) * pp))
+    assert v.step_time <= 3 * m + (pp - 1) * 0.5 + 1e-9
+    assert one.step_time == 3 * m + 3 * (pp - 1)
+    assert max(v.peak_activation_bytes.values()) <= max(one.peak_activation_bytes.values())
+    assert Schedule.from_text(s.text()).rank_of(2 * pp - 1) == 0       # the text keeps the V
+
+
+def test_zb_v_options_and_its_receives_in_send_order():
+    """``schedule="zb-v"`` sets v = 2 (any other v is an error). Rank 0 sends stage 0's F and stage 3's B to
+    rank 1 on one channel: the lowering receives them in the order they were sent."""
+    from autoshard.ir.options import PipelineOptions
+    from autoshard.ir.schedule import zero_bubble_v
+    assert PipelineOptions(microbatches=4, schedule="zb-v").virtual_stages == 2
+    with pytest.raises(ValueError, match="two stages on each rank"):
+        PipelineOptions(microbatches=4, schedule="zb-v", virtual_stages=3)
+    lowered = add_communication(zero_bubble_v(2, 4))
+    recvs = [a for a in lowered.actions[1] if a.kind in (Kind.RECV_F, Kind.RECV_B)]
+    sends = [a for a in lowered.actions[0] if a.kind in (Kind.SEND_F, Kind.SEND_B)]
+    from autoshard.ir.schedule import _matching_send
+    assert [_matching_send(a) for a in recvs] == sends       # rank 1 receives in rank 0's send order
+    assert {a.kind for a in sends} == {Kind.SEND_F, Kind.SEND_B}    # both directions' traffic on one channel
+    validate(lowered)
