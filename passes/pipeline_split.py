@@ -247,9 +247,11 @@ def _fits(cost: StageCost, rank_in_flight: float, limit) -> bool:
     return cost.param_bytes > 0 and (limit is None or cost.param_bytes + cost.activation_bytes * rank_in_flight <= limit)
 
 
-def balance(seg: Segments, stages: int, pp: int, in_flight: dict, v: int, tp: int, limit=None, send=None) -> list:
+def balance(seg: Segments, stages: int, pp: int, in_flight: dict, v: int, tp: int, limit=None, send=None,
+            rank_of=None) -> list:
     """Cut indices (into the candidate list) minimising the slowest chunk, each chunk within ``limit``
-    bytes of memory (a rank's limit shared by its v chunks). Dynamic programme over (chunk, end).
+    bytes of memory (a rank's limit shared by its v chunks; ``rank_of(chunk)``, the schedule's placement,
+    says whose: round-robin by default, ZB-V's V otherwise). Dynamic programme over (chunk, end).
     ``send[j]`` is the time to send the boundary that ends stretch j - 1: a chunk pays for what it sends, so
     a cut through a wide tensor (the logits) is priced as such."""
     send = send or [0.0] * (len(seg.seconds) + 1)
@@ -266,7 +268,7 @@ def balance(seg: Segments, stages: int, pp: int, in_flight: dict, v: int, tp: in
     best[0][0] = (0.0, 0.0)
     costs = {}
     for k in range(1, stages + 1):
-        flight = in_flight.get((k - 1) % pp, 1) / v
+        flight = in_flight.get(rank_of(k - 1) if rank_of is not None else (k - 1) % pp, 1) / v
         for j in range(k, n - (stages - k) + 1):
             for i in range(k - 1, j):
                 if best[k - 1][i] == worst_case:
@@ -375,7 +377,7 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         cuts, how = [], "one stage"
     else:
         send = [0.0] + [cm.p2p_latency + c.nbytes / cm.p2p_bandwidth for c in cands] + [0.0]
-        cuts = balance(seg, stages, pp, validate(schedule), v, tp, opts.memory_limit, send)
+        cuts = balance(seg, stages, pp, validate(schedule), v, tp, opts.memory_limit, send, schedule.rank_of)
         how = "balanced"
     costs, step, peak = predict(seg, cuts, schedule, tp, cm, cands)
     choice = ""
