@@ -19,7 +19,8 @@ from autoshard.kernels.rng import draw_seed
 aten = torch.ops.aten
 
 
-def _dropout_args(n: fx.Node) -> tuple:
+def dropout_args(n: fx.Node) -> tuple:
+    """``(input, p, train)`` of an ``aten.dropout`` node, defaults filled in."""
     args = list(n.args) + [None] * (3 - len(n.args))
     p = n.kwargs.get("p", args[1])
     train = n.kwargs.get("train", args[2])
@@ -32,7 +33,7 @@ def rewrite_dropout(gm: fx.GraphModule, tp: int) -> list:
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target is not aten.dropout.default:
             continue
-        x, p, train = _dropout_args(n)
+        x, p, train = dropout_args(n)
         if not train or p == 0.0:
             continue
         spec = M.SPEC.get(x, None)

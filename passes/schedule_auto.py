@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoshard.ir.options import resolved_codegen
-from autoshard.ir.schedule import make_schedule
+from autoshard.ir.schedule import PLACEMENTS, Schedule, make_schedule
 from autoshard.ir.simulator import Costs
 
 CANDIDATES = ("1f1b", "zb-h1")
@@ -34,8 +34,8 @@ def price_schedule(name: str, predict, cuts, pp: int, m: int, stages: list, memo
     """Schedule ``name`` generated on the cut ``stages``' costs (and ``kept``: what a split B keeps for W
     per stage), then priced by ``predict(cuts, schedule) -> (costs, step, peak)`` (``pipeline_split.predict``).
     ``v``: stages a rank (2 for ZB-V and the interleaved baseline it is set against)."""
-    draft = make_schedule(name, pp, m, v)
-    resident = [sum(stages[s].param_bytes for s in draft.stages_of(r)) for r in range(pp)]
+    placed = Schedule(name, pp, v, m, placement=PLACEMENTS.get(name, "interleaved"))     # placement only
+    resident = [sum(stages[s].param_bytes for s in placed.stages_of(r)) for r in range(pp)]
     schedule = make_schedule(name, pp, m, v, Costs.of_stages(stages, kept_bytes=kept), resident)
     stage_costs, step, peak = predict(cuts, schedule)
     fits = memory_limit is None or max(peak.values()) <= memory_limit

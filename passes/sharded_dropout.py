@@ -27,15 +27,9 @@ import torch.fx as fx
 
 from autoshard.ir import meta as M
 from autoshard.ir.placement import Replicate, Shard
+from autoshard.passes.dropout_rng import dropout_args
 
 aten = torch.ops.aten
-
-
-def _args(n: fx.Node) -> tuple:
-    args = list(n.args) + [None] * (3 - len(n.args))
-    p = n.kwargs.get("p", args[1])
-    train = n.kwargs.get("train", args[2])
-    return args[0], (0.5 if p is None else float(p)), (True if train is None else bool(train))
 
 
 def _even_shard(spec, shape, t: int):
@@ -54,7 +48,7 @@ def sharded_dropout_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for n in list(g.nodes):
         if n.op != "call_function" or n.target is not aten.dropout.default:
             continue
-        x, p, train = _args(n)
+        x, p, train = dropout_args(n)
         if not train or p == 0.0 or p >= 1.0:
             continue
         spec, shape = M.SPEC.get(x, None), M.GLOBAL_SHAPE.get(x, None)

@@ -63,6 +63,9 @@ class Action:
         return self.kind in COMPUTE
 
 
+PLACEMENTS = {"zb-v": "v"}      # schedule name -> its stages' placement, where not round-robin
+
+
 @dataclass
 class Schedule:
     """``actions[r]`` is what rank ``r`` runs, in order, for ``microbatches`` microbatches (m) over
@@ -117,7 +120,7 @@ class Schedule:
             actions[int(rank.removeprefix("rank").strip())] = [Action.parse(t) for t in body.split()]
         if header:
             return Schedule(header[1], int(header[2]), int(header[3]), int(header[4]), actions,
-                            "v" if header[1] == "zb-v" else "interleaved")
+                            PLACEMENTS.get(header[1], "interleaved"))
         every = [a for acts in actions.values() for a in acts]
         pp = max(actions, default=0) + 1
         stages = max((a.stage for a in every), default=0) + 1
@@ -288,7 +291,7 @@ def zero_bubble_v(pp: int, m: int, f=1, b=1, w=1, activation=1, kept=None, resid
     and does not enter the comparison."""
     _check_positive(pp=pp, m=m)
     stages = 2 * pp
-    sched = Schedule("zb-v", pp, 2, m, {}, "v")
+    sched = Schedule("zb-v", pp, 2, m, {}, PLACEMENTS["zb-v"])
 
     def per(x, s):
         return x[s] if isinstance(x, (list, tuple)) else x
