@@ -3,19 +3,23 @@
     python -m benchmarks.pp_zero_bubble [--pp 2] [--m 8] [--steps 6] [--out benchmarks/results]
 
 One job of ``--pp`` (2) gloo ranks (NCCL on GPUs) trains the built-in GPT (8 layers, untied head, the same
-cuts and weights everywhere) six ways: autoshard's ``schedule="1f1b"``, ``"zb-h1"`` and ``"zb-v"`` (2p
-stages, two a rank in a V), and torch's ``Schedule1F1B``, ``ScheduleInterleavedZeroBubble`` (ZB1P, one
-stage a rank) and ``ScheduleZBVZeroBubble`` (on ZB-V's 2p stages). The losses must agree
-first; then the four are timed in turn, step after step (A B C D A B C D ...), a step's time being the
-slowest rank's. Reported:
+weights everywhere) nine ways: autoshard's ``schedule="1f1b"``, ``"zb-h1"`` and ``"zb-v"`` (2p stages,
+two a rank in a V) on torch's layer cuts, the same three on autoshard's own cost-balanced cuts (which may
+fall inside a layer, so the LM head's stage takes fewer layers), and torch's ``Schedule1F1B``,
+``ScheduleInterleavedZeroBubble`` (ZB1P, one stage a rank) and ``ScheduleZBVZeroBubble`` (on ZB-V's 2p
+stages). The losses must agree first; then they are timed in turn, step after step (A B C ... A B C
+...), a step's time being the slowest rank's. Reported:
 
 - step time (median) and each against torch's 1F1B and torch's zero-bubble schedule;
-- autoshard's measured bubble (idle over busy, all ranks, from the executor's action timestamps) and the
-  closed forms: ``(p-1)/m`` for 1F1B, ``(p-1)(F+B-W) / (m (F+B+W))`` for ZB-H1, from the measured mean
-  F, B and W (``(p-1)/(3m)`` when they are equal);
+- autoshard's measured bubble (idle over busy, all ranks, from the executor's action timestamps); the
+  bubble of the simulator's replay of the same schedule with each stage's measured F, B and W (what the
+  schedule leaves on these stages with a free runtime: its gap to the closed form is the stages'
+  imbalance, the measured bubble's gap to it the runtime's); and the closed forms: ``(p-1)/m`` for 1F1B,
+  ``(p-1)(F+B-W) / (m (F+B+W))`` for ZB-H1, from the measured mean F, B and W (``(p-1)/(3m)`` when they
+  are equal);
 - peak saved activations per rank (the executor's count for autoshard, which holds what B keeps for W;
   a ``saved_tensors_hooks`` count around torch's step);
-- the measured timelines, ``zb_timeline_1f1b.svg`` and ``zb_timeline_zb-h1.svg``.
+- the measured timelines, ``zb_timeline_pp<p>_<schedule>.svg``.
 
 Writes ``zero_bubble.md`` into ``--out``.
 """
@@ -34,13 +38,30 @@ from autoshard.runtime.comm import collective_device
 from benchmarks.pp import OUT, LiveSaved, _batch, _gpt, _timed_step, loss_rtol
 
 
-def _means(timeline) -> dict:
-    """Mean seconds of each compute kind over all stages of a measured timeline."""
+OWN_CUTS = ("1f1b own cuts", "zb-h1 own cuts", "zb-v own cuts")
+ROWS = ("1f1b", "zb-h1", "zb-v") + OWN_CUTS + ("torch 1f1b", "torch zb", "torch zbv")
+
+
+def _means(timeline, stage=None) -> dict:
+    """Mean seconds of each compute kind over all stages of a measured timeline (or over one stage's)."""
     out = {}
     for kind in ("F", "B", "W"):
-        xs = [s.end - s.start for spans in timeline.spans.values() for s in spans if s.action.kind.value == kind]
+        xs = [s.end - s.start for spans in timeline.spans.values() for s in spans
+              if s.action.kind.value == kind and stage in (None, s.action.stage)]
         out[kind] = statistics.mean(xs) if xs else 0.0
     return out
+
+
+def replayed_bubble(schedule, timeline) -> float:
+    """The bubble the schedule itself leaves with each stage's measured mean F, B and W (the simulator's
+    replay, transfers free): what the measured bubble would be with no runtime overhead. Its gap to the
+    closed form is the stages' imbalance (the LM head's stage is heavier); the measured bubble's gap to
+    it is the runtime's (transfers, waits, the host)."""
+    from autoshard.ir.simulator import Costs, simulate
+    per = [_means(timeline, s) for s in range(schedule.num_stages)]
+    costs = Costs(tuple(k["F"] for k in per), tuple(k["B"] + k["W"] for k in per), (0,) * len(per),
+                  weight=tuple(k["W"] for k in per) if schedule.split else None)
+    return simulate(schedule, costs).bubble_over_ideal
 
 
 def _rank(rank, world, job):
@@ -55,6 +76,9 @@ def _rank(rank, world, job):
     ours = {name: autoshard.parallelize(copy.deepcopy(model), mesh, (x, y), microbatches=m, schedule=name,
                                         pipeline_cuts=vcuts if name == "zb-v" else cuts)
             for name in ("1f1b", "zb-h1", "zb-v")}
+    for name in OWN_CUTS:      # autoshard's cost-balanced cuts (a cut may fall inside a layer)
+        ours[name] = autoshard.parallelize(copy.deepcopy(model), mesh, (x, y), microbatches=m,
+                                           schedule=name.split()[0])
     theirs = {name: torch_pipeline(copy.deepcopy(model), cuts, rank, pp, 1, m, zero_bubble=name == "torch zb")
               for name in ("torch 1f1b", "torch zb")}
     theirs["torch zbv"] = torch_pipeline(copy.deepcopy(model), vcuts, rank, pp, 2, m, v_shape=True)
@@ -91,6 +115,7 @@ def _rank(rank, world, job):
             raise RuntimeError(f"losses differ: {name} {loss} vs torch 1f1b {ref}")
     times = {name: [] for name in steps}
     bubbles = {name: [] for name in ours}
+    replayed = {name: [] for name in ours}
     kinds = {name: [] for name in ours}
     for step in range(job["warmup"] + job["steps"]):
         for name, fn in steps.items():
@@ -100,6 +125,7 @@ def _rank(rank, world, job):
                 if name in ours:
                     tl = ours[name].measured_timeline()
                     bubbles[name].append(tl.bubble_over_ideal)
+                    replayed[name].append(replayed_bubble(ours[name].schedule, tl))
                     kinds[name].append(_means(tl))
         for p in params:
             p.grad = None
@@ -107,7 +133,7 @@ def _rank(rank, world, job):
     for name, pm in ours.items():
         tl = pm.measured_timeline()          # every rank: it gathers the ranks' spans
         if rank == 0 and job["out"] != "none":
-            path = os.path.join(job["out"], f"zb_timeline_pp{world}_{name}.svg")
+            path = os.path.join(job["out"], f"zb_timeline_pp{world}_{name.replace(' ', '-')}.svg")
             tl.to_svg(path)
             svgs[name] = os.path.basename(path)
     top = {k: torch.tensor([float(v)], device=collective_device()) for k, v in peak.items()}
@@ -115,13 +141,29 @@ def _rank(rank, world, job):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(loss=ref, step={k: statistics.median(v) for k, v in times.items()},
                 bubble={k: statistics.median(v) for k, v in bubbles.items()},
+                replayed={k: statistics.median(v) for k, v in replayed.items()},
+                stage_kinds={name: [_means(pm.measured_timeline(), s) for s in range(pm.schedule.num_stages)]
+                             for name, pm in ours.items()},
+                own_cuts={name: ours[name].program.plan.boundaries for name in OWN_CUTS},
                 kinds={k: {c: statistics.mean(d[c] for d in v) for c in ("F", "B", "W")} for k, v in kinds.items()},
                 peak={k: float(v) for k, v in top.items()}, svgs=svgs)
 
 
 def closed_forms(pp: int, m: int, kinds: dict) -> dict:
-    f, b, w = kinds["zb-h1"]["F"], kinds["zb-h1"]["B"], kinds["zb-h1"]["W"]
-    return {"1f1b": (pp - 1) / m, "zb-h1": (pp - 1) * (f + b - w) / (m * (f + b + w))}
+    """(p-1)/m for 1F1B; Qi et al.'s (p-1)(F+B-W) / (m (F+B+W)) for ZB-H1, from its measured mean F, B, W."""
+    out = {"1f1b": (pp - 1) / m, "1f1b own cuts": (pp - 1) / m}
+    for name in ("zb-h1", "zb-h1 own cuts"):
+        f, b, w = kinds[name]["F"], kinds[name]["B"], kinds[name]["W"]
+        out[name] = (pp - 1) * (f + b - w) / (m * (f + b + w))
+    return out
+
+
+def _floor(res: dict, m: int) -> str:
+    """What no schedule beats on the balanced stages: the busiest rank's compute, m (F + B + W) of its
+    stage, against torch's 1F1B step (a zero bubble and a free runtime would reach it)."""
+    busiest = max(m * sum(k[c] for c in "FBW") for k in res["stage_kinds"]["zb-h1 own cuts"])
+    return (f"The floor on autoshard's own cuts: the busiest rank's compute, m (F + B + W) = {busiest * 1e3:.1f} ms, "
+            f"{busiest / res['step']['torch 1f1b']:.3f} of torch's 1F1B step.")
 
 
 def markdown(res: dict, job: dict, pp: int = 2) -> str:
@@ -131,21 +173,30 @@ def markdown(res: dict, job: dict, pp: int = 2) -> str:
     lines = ["# Zero-bubble pipelines (`python -m benchmarks.pp_zero_bubble`)", "",
              f"GPT: {job['layers']} layers (untied head), hidden {job['hidden']}, seq {job['seq']}, vocab {job['vocab']}, "
              f"batch {job['batch']} in m={m} microbatches; pp={pp} gloo ranks (on 2 cores), {job['layers'] // pp} layers a "
-             f"stage, the same cuts and weights for all four; {job['steps']} timed steps after {job['warmup']}, in turn; "
-             f"loss {res['loss']:.6f} on all four.", "",
-             "| schedule | step ms | vs torch 1F1B | vs torch ZB | measured bubble | closed form | peak saved MiB |",
-             "|---|---|---|---|---|---|---|"]
-    for name in ("1f1b", "zb-h1", "zb-v", "torch 1f1b", "torch zb", "torch zbv"):
+             "stage, the same cuts and weights for all but the \"own cuts\" rows (autoshard's cost-balanced cuts, "
+             f"after {res['own_cuts']}); {job['steps']} timed steps after {job['warmup']}, in turn; "
+             f"loss {res['loss']:.6f} on all.", "",
+             "| schedule | step ms | vs torch 1F1B | vs torch ZB | measured bubble | replayed from measured stages "
+             "| closed form | peak saved MiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in ROWS:
         bubble = f"{res['bubble'][name]:.3f}" if name in res["bubble"] else "-"
+        again = f"{res['replayed'][name]:.3f}" if name in res["replayed"] else "-"
         form = f"{closed[name]:.3f}" if name in closed else "-"
         lines.append(f"| {'autoshard ' + name if name in res['bubble'] else name} | {s[name] * 1e3:.1f} | "
-                     f"{s[name] / s['torch 1f1b']:.3f} | {s[name] / s['torch zb']:.3f} | {bubble} | {form} | "
+                     f"{s[name] / s['torch 1f1b']:.3f} | {s[name] / s['torch zb']:.3f} | {bubble} | {again} | {form} | "
                      f"{pk[name] / 2**20:.2f} |")
     k = res["kinds"]["zb-h1"]
     lines += ["", f"ZB-H1's measured mean F, B, W: {k['F'] * 1e3:.2f}, {k['B'] * 1e3:.2f}, {k['W'] * 1e3:.2f} ms "
-              f"(1F1B's B, input and weight gradients together: {res['kinds']['1f1b']['B'] * 1e3:.2f} ms).",
-              f"Peak saved activations, ZB-H1 over 1F1B: {pk['zb-h1'] / pk['1f1b']:.3f}; ZB-V over 1F1B: "
-              f"{pk['zb-v'] / pk['1f1b']:.3f}. ZB-V runs 2p stages (two a rank, in a V) on the same layers; its "
+              f"(1F1B's B, input and weight gradients together: {res['kinds']['1f1b']['B'] * 1e3:.2f} ms). Per stage "
+              "(F, B, W ms): " + "; ".join(f"{s_}: " + ", ".join(f"{k[c] * 1e3:.2f}" for c in "FBW")
+                                          for s_, k in enumerate(res["stage_kinds"]["zb-h1"])) + ".",
+              _floor(res, m),
+              "The replayed bubble is the simulator's replay of the same schedule with each stage's measured F, B "
+              "and W: the closed form assumes equal stages, so the replay's gap to it is the stages' imbalance, "
+              "and the measured bubble's gap to the replay is the runtime's.",
+              f"Peak saved activations, ZB-H1 over 1F1B: {pk['zb-h1'] / pk['1f1b']:.3f} (on autoshard's own cuts "
+              f"{pk['zb-h1 own cuts'] / pk['1f1b own cuts']:.3f}); ZB-V over 1F1B: {pk['zb-v'] / pk['1f1b']:.3f}. ZB-V runs 2p stages (two a rank, in a V) on the same layers; its "
               "ideal bubble is about 0 (the paper's, with F = B = W).", ""]
     for name, path in res["svgs"].items():
         lines.append(f"![{name} measured]({path})")

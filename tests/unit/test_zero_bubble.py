@@ -277,3 +277,17 @@ def test_zb_v_options_and_its_receives_in_send_order():
     assert [_matching_send(a) for a in recvs] == sends       # rank 1 receives in rank 0's send order
     assert {a.kind for a in sends} == {Kind.SEND_F, Kind.SEND_B}    # both directions' traffic on one channel
     validate(lowered)
+
+
+def test_zb_v_with_a_heavier_head_chunk_keeps_its_bubble_small():
+    """Chunks of unequal activations (the LM head's last chunk, on the V's rank 0 beside the embedding; the
+    heavier middle pair on rank 1): each rank may hold p microbatches of its own pair, so the middle rank
+    does not stall on the first layers' cap. Chunk bytes are the built-in GPT's at pp=2 on its balanced
+    cuts; F = B = W per chunk."""
+    from autoshard.ir.schedule import zero_bubble_v
+    act = (2.29, 2.23, 2.69, 2.36)
+    s = zero_bubble_v(2, 8, activation=list(act))
+    tl = simulate(s, Costs((0.5,) * 4, (1.0,) * 4, act))
+    assert tl.step_time <= 3 * 8 + 0.5 + 1e-9
+    pairs = [act[0] + act[3], act[1] + act[2]]
+    assert max(tl.peak_activation_bytes.values()) <= 2 * max(pairs) + 1e-9
