@@ -39,6 +39,7 @@ from autoshard.passes.cost import flops
 from autoshard.passes.shapes import shape_of, val
 from autoshard.ir.simulator import Costs, simulate
 from autoshard.passes.schedule_auto import choose_schedule, price_schedule
+from autoshard.passes.activation_share import ActivationShare, activation_share
 
 ADAM_BYTES_PER_PARAM_BYTE = 4      # the parameter, its gradient, and AdamW's two moments
 _MATMULS = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "scaled_dot_product_attention"}
@@ -204,21 +205,25 @@ class Segments:
         return StageCost(sum(self.seconds[i:j]), sum(self.flops[i:j]), pbytes,
                          sum(self.activation_bytes[i:j]), tuple(layers), sum((self.recompute or [])[i:j]))
 
-    def with_recompute(self, cands: list) -> "Segments":
+    def with_recompute(self, cands: list, share: ActivationShare = ActivationShare()) -> "Segments":
         """As ``passes/recompute.py`` will run it: a stretch inside one layer keeps only the input of its
-        layer's first stretch, and its backward runs its forward again."""
+        layer's first stretch (a rank's ``share`` of it: a sequence shard under SP), and its backward runs
+        its forward again."""
         seg = Segments(list(self.seconds), list(self.flops), self.params, list(self.activation_bytes),
                        self.layers, [0.0] * len(self.seconds))
         for k, layers in enumerate(self.layers):
             if len(layers) != 1:
                 continue
             starts = k == 0 or self.layers[k - 1] != layers
-            seg.activation_bytes[k] = cands[k - 1].nbytes if starts and k > 0 else 0
+            seg.activation_bytes[k] = share.kept(cands[k - 1].boundary, cands[k - 1].nbytes) if starts and k > 0 else 0
             seg.recompute[k] = self.seconds[k]
         return seg
 
 
-def price(gm: fx.GraphModule, act: set, cands: list, cm, prefix) -> Segments:
+def price(gm: fx.GraphModule, act: set, cands: list, cm, prefix, share: ActivationShare = ActivationShare()) -> Segments:
+    """Each stretch's forward seconds, flops, parameters, layers, and the activation bytes one rank keeps of
+    what its forward saves (``share``: the tp shard of each saved value, and what selective recompute
+    drops)."""
     ends = [c.position for c in cands] + [len(gm.graph.nodes)]
     k = 0
     seg = Segments([0.0] * len(ends), [0.0] * len(ends), [set() for _ in ends], [0] * len(ends),
@@ -231,7 +236,7 @@ def price(gm: fx.GraphModule, act: set, cands: list, cm, prefix) -> Segments:
         seg.seconds[k] += node_seconds(n, cm)
         seg.flops[k] += flops(n, shape_of) if n.op == "call_function" else 0
         if saved_for_backward(n):
-            seg.activation_bytes[k] += _nbytes(val(n))
+            seg.activation_bytes[k] += share.kept(n, _nbytes(val(n)))
         layer = layer_of(n, prefix)
         if layer is not None:
             seg.layers[k].add(layer)
@@ -360,9 +365,13 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     cands = candidates(gm, act)
     prefix = layer_prefix(gm)
     count = len({layer_of(n, prefix) for n in gm.graph.nodes} - {None})
-    seg = whole = price(gm, act, cands, cm, prefix)
+    sp = ctx.options.sequence_parallel and tp > 1
+    share = activation_share(gm, cands, tp, sp, selective=False)
+    whole = price(gm, act, cands, cm, prefix, share)
+    seg = whole if ctx.options.recompute != "selective" else \
+        price(gm, act, cands, cm, prefix, activation_share(gm, cands, tp, sp, selective=True))
     if ctx.options.recompute is True:
-        seg = seg.with_recompute(cands)
+        seg = seg.with_recompute(cands, share)
     if opts.stretches is not None:       # another program's cuts (the eval program takes its training one's)
         if len(opts.stretches) != stages - 1 or not all(0 < c < len(seg.seconds) for c in opts.stretches):
             raise PipelineSplitError(f"this program offers {len(cands)} cut points, and cannot be cut where its "
