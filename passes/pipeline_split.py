@@ -198,6 +198,10 @@ class Segments:
     layers: list              # set of layer indices per stretch
     recompute: list = None    # forward seconds each stretch's backward runs again (activation recompute)
 
+    def priced_as(self, chunk: int) -> "Segments":
+        """The prices chunk ``chunk`` pays (the same for every chunk; see ``PerRankRecompute``)."""
+        return self
+
     def chunk(self, i: int, j: int, tp: int) -> StageCost:
         params = set().union(*self.params[i:j])
         pbytes = sum(b // (tp if nd >= 2 else 1) for _, b, nd in params) * ADAM_BYTES_PER_PARAM_BYTE
@@ -218,6 +222,27 @@ class Segments:
             seg.activation_bytes[k] = share.kept(cands[k - 1].boundary, cands[k - 1].nbytes) if starts and k > 0 else 0
             seg.recompute[k] = self.seconds[k]
         return seg
+
+
+@dataclass(frozen=True)
+class PerRankRecompute:
+    """Stretch prices when only some pipeline ranks recompute (``CompileOptions.recompute_stages``, which
+    ``memory_limit`` sets for the ranks that would not fit without it): a chunk on one of ``ranks`` is
+    priced as the recompute pass will run it, any other as it is."""
+    recomputed: Segments
+    plain: Segments
+    ranks: frozenset
+    rank_of: object             # the schedule's placement: chunk -> pipeline rank
+
+    @property
+    def seconds(self) -> list:
+        return self.plain.seconds
+
+    def priced_as(self, chunk: int) -> Segments:
+        return self.recomputed if self.rank_of(chunk) in self.ranks else self.plain
+
+    def chunk(self, i: int, j: int, tp: int) -> StageCost:
+        return self.recomputed.chunk(i, j, tp)
 
 
 def price(gm: fx.GraphModule, act: set, cands: list, cm, prefix, share: ActivationShare = ActivationShare()) -> Segments:
@@ -278,7 +303,8 @@ def balance(seg: Segments, stages: int, pp: int, in_flight: dict, v: int, tp: in
             for i in range(k - 1, j):
                 if best[k - 1][i] == worst_case:
                     continue
-                c = costs.get((i, j)) or costs.setdefault((i, j), seg.chunk(i, j, tp))
+                which = seg.priced_as(k - 1)
+                c = costs.get((i, j, id(which))) or costs.setdefault((i, j, id(which)), which.chunk(i, j, tp))
                 if not _fits(c, flight, share):
                     continue
                 # forward + backward is 3 forwards, and a recompute one more: priced in forwards
@@ -335,7 +361,7 @@ def predict(seg: Segments, cuts: list, schedule, tp: int, cm, cands: list, whole
     The simulator takes one transfer time: that of the widest boundary these cuts send."""
     boundary_bytes = max((cands[c - 1].nbytes for c in cuts), default=0)
     edges = [0] + list(cuts) + [len(seg.seconds)]
-    costs = [seg.chunk(a, b, tp) for a, b in zip(edges, edges[1:])]
+    costs = [seg.priced_as(k).chunk(a, b, tp) for k, (a, b) in enumerate(zip(edges, edges[1:]))]
     split = 1 + (cm.weight_split_overhead if schedule.split else 0.0)    # B + W cost more than a whole backward
     sim = simulate(add_communication(schedule),
                    Costs.of_stages(costs, cm.p2p_latency + boundary_bytes / cm.p2p_bandwidth,
@@ -367,11 +393,13 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     count = len({layer_of(n, prefix) for n in gm.graph.nodes} - {None})
     sp = ctx.options.sequence_parallel and tp > 1
     share = activation_share(gm, cands, tp, sp, selective=False)
-    whole = price(gm, act, cands, cm, prefix, share)
-    seg = whole if ctx.options.recompute != "selective" else \
-        price(gm, act, cands, cm, prefix, activation_share(gm, cands, tp, sp, selective=True))
-    if ctx.options.recompute is True:
-        seg = seg.with_recompute(cands, share)
+    seg = whole = price(gm, act, cands, cm, prefix, share)
+    if ctx.options.recompute == "selective":
+        seg = price(gm, act, cands, cm, prefix, activation_share(gm, cands, tp, sp, selective=True))
+    elif ctx.options.recompute is True:
+        seg = whole.with_recompute(cands, share)
+    if seg is not whole and ctx.options.recompute_stages is not None:     # only these pipeline ranks recompute
+        seg = PerRankRecompute(seg, whole, frozenset(ctx.options.recompute_stages), schedule.rank_of)
     if opts.stretches is not None:       # another program's cuts (the eval program takes its training one's)
         if len(opts.stretches) != stages - 1 or not all(0 < c < len(seg.seconds) for c in opts.stretches):
             raise PipelineSplitError(f"this program offers {len(cands)} cut points, and cannot be cut where its "

@@ -42,3 +42,16 @@ def test_full_recompute_keeps_the_layer_inputs_a_sequence_shard_under_sp(priced)
         assert full < tp / 4
     assert priced["full sp"][0] == pytest.approx(priced["full"][0] / 2)     # stage 0: layer inputs alone
     assert priced["full sp"][1] < priced["full"][1]      # the last: the LM head's values are not recomputed
+
+
+def test_only_the_ranks_that_recompute_are_priced_so():
+    """``recompute_stages=(0,)`` (what ``memory_limit`` sets when only the first rank would not fit): the
+    balancer prices rank 0's chunk as the recompute pass runs it and rank 1's as it is."""
+    prog = autoshard.compile_pipeline(
+        build("gpt", n_layer=4, dropout=0.0, flash=False), {"pp": 2}, 0, *batch("gpt", 96, B=4),
+        CompileOptions(pipeline=PipelineOptions(microbatches=2), loss_chunk_rows=None, recompute=True,
+                       recompute_stages=(0,)))
+    first, last = prog.plan.costs
+    assert first.recompute_seconds > 0 and last.recompute_seconds == 0
+    everywhere, nowhere = _stage_bytes({"pp": 2}, recompute=True), _stage_bytes({"pp": 2})
+    assert [first.activation_bytes, last.activation_bytes] == [everywhere[0], nowhere[1]]
