@@ -116,6 +116,7 @@ def _rank(rank, world, job):
     times = {name: [] for name in steps}
     bubbles = {name: [] for name in ours}
     replayed = {name: [] for name in ours}
+    stages = {name: [] for name in ours}            # per timed step, each stage's mean F, B and W
     kinds = {name: [] for name in ours}
     for step in range(job["warmup"] + job["steps"]):
         for name, fn in steps.items():
@@ -126,6 +127,7 @@ def _rank(rank, world, job):
                     tl = ours[name].measured_timeline()
                     bubbles[name].append(tl.bubble_over_ideal)
                     replayed[name].append(replayed_bubble(ours[name].schedule, tl))
+                    stages[name].append([_means(tl, s) for s in range(ours[name].schedule.num_stages)])
                     kinds[name].append(_means(tl))
         for p in params:
             p.grad = None
@@ -142,8 +144,8 @@ def _rank(rank, world, job):
     return dict(loss=ref, step={k: statistics.median(v) for k, v in times.items()},
                 bubble={k: statistics.median(v) for k, v in bubbles.items()},
                 replayed={k: statistics.median(v) for k, v in replayed.items()},
-                stage_kinds={name: [_means(pm.measured_timeline(), s) for s in range(pm.schedule.num_stages)]
-                             for name, pm in ours.items()},
+                stage_kinds={name: [{c: statistics.mean(d[s][c] for d in v) for c in ("F", "B", "W")}
+                                    for s in range(ours[name].schedule.num_stages)] for name, v in stages.items()},
                 own_cuts={name: ours[name].program.plan.boundaries for name in OWN_CUTS},
                 kinds={k: {c: statistics.mean(d[c] for d in v) for c in ("F", "B", "W")} for k, v in kinds.items()},
                 peak={k: float(v) for k, v in top.items()}, svgs=svgs)

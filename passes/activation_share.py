@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch.fx as fx
 
-from autoshard.passes.attention import attentions
 from autoshard.passes.shapes import val
 from autoshard.passes.weight_grad import parameter_of
 
@@ -71,13 +70,13 @@ def activation_share(gm: fx.GraphModule, cands: list, tp: int, sequence_parallel
                      selective: bool) -> ActivationShare:
     """The share for ``gm`` cut at candidates ``cands`` (``pipeline_split.candidates``): the residual
     stream is the value most cuts send."""
-    shapes = [tuple(val(c.boundary).shape) for c in cands if not c.carried]
+    shapes = [tuple(val(c.boundary).shape) for c in cands]      # the boundary is the stream, carried values or not
     stream = max(set(shapes), key=shapes.count) if shapes else ()
     recomputed = frozenset()
-    if selective:
+    if selective:     # the cores selective recompute will run again (not one holding a collective or a write)
+        from autoshard.passes.selective_recompute import attention_core_regions     # it imports pipeline_split
         nodes = list(gm.graph.nodes)
-        index = {n: i for i, n in enumerate(nodes)}
         # the core's own saved values; its output (the next matmul keeps it) and its inputs stay
-        recomputed = frozenset(n for first, out in attentions(gm) for n in nodes[index[first]:index[out]])
+        recomputed = frozenset(n for r in attention_core_regions(gm)[0] for n in nodes[r.first_index:r.last_index])
     return ActivationShare(tp, sequence_parallel, math.prod(stream) if stream else 0,
                            stream[-1] if stream else 0, recomputed)

@@ -28,7 +28,7 @@ from autoshard.passes.walk import upstream
 
 aten = torch.ops.aten
 _PROJECTIONS = {aten.linear, aten.mm, aten.addmm, aten.matmul}
-_SOFTMAX = {aten._softmax, aten.softmax}
+_SOFTMAX = {aten._softmax, aten.softmax, aten._safe_softmax}   # the last: SDPA spelled out (sdpa_dropout)
 
 
 @dataclass

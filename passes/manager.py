@@ -35,6 +35,7 @@ from autoshard.passes.pipeline_split import pipeline_split_pass
 from autoshard.passes.plan import plan_pass
 from autoshard.passes.recompute import recompute_pass
 from autoshard.passes.sharded_dropout import sharded_dropout_pass
+from autoshard.passes.sdpa_dropout import sdpa_dropout_pass
 from autoshard.passes.selective_recompute import selective_recompute_pass
 from autoshard.passes.stack_scans import stack_scans_pass
 from autoshard.passes.tp_rewrite import tp_rewrite_pass
@@ -86,6 +87,9 @@ PASSES = [
          requires=(M.STRATEGY, M.SPEC, M.REQUIRES_GRAD), provides=(M.GLOBAL_SHAPE, M.LOCAL_SHAPE, M.SOURCE),
          in_place=False),
     Pass("drop_unit_axis", drop_unit_axis_pass, "at tp=1 every collective is the identity: the model's own graph"),
+    Pass("sdpa_dropout", sdpa_dropout_pass, "SDPA with dropout on a tp shard spelled out as ATen's math attention "
+         "(on CPU), so the next pass gives its dropout the single device's mask",
+         requires=(M.SPEC, M.GLOBAL_SHAPE, M.LOCAL_SHAPE)),
     Pass("sharded_dropout", sharded_dropout_pass, "dropout on a tp shard draws the single-device mask and keeps "
          "its part, so every rank's RNG stays the single device's", requires=(M.SPEC, M.GLOBAL_SHAPE, M.LOCAL_SHAPE)),
     Pass("fuse_bias", fuse_bias_pass, "fold bias adds that stayed local back into the matmul",

@@ -198,7 +198,7 @@ class Segments:
     layers: list              # set of layer indices per stretch
     recompute: list = None    # forward seconds each stretch's backward runs again (activation recompute)
 
-    def priced_as(self, chunk: int) -> "Segments":
+    def priced_as(self, chunk: int, rank_of=None) -> "Segments":
         """The prices chunk ``chunk`` pays (the same for every chunk; see ``PerRankRecompute``)."""
         return self
 
@@ -232,14 +232,16 @@ class PerRankRecompute:
     recomputed: Segments
     plain: Segments
     ranks: frozenset
-    rank_of: object             # the schedule's placement: chunk -> pipeline rank
+    rank_of: object             # the planned schedule's placement (chunk -> pipeline rank), unless one is given
 
     @property
     def seconds(self) -> list:
         return self.plain.seconds
 
-    def priced_as(self, chunk: int) -> Segments:
-        return self.recomputed if self.rank_of(chunk) in self.ranks else self.plain
+    def priced_as(self, chunk: int, rank_of=None) -> Segments:
+        """``rank_of``: the placement of the schedule being priced (ZB-V's V against the interleaved
+        baseline it is compared with)."""
+        return self.recomputed if (rank_of or self.rank_of)(chunk) in self.ranks else self.plain
 
     def chunk(self, i: int, j: int, tp: int) -> StageCost:
         return self.recomputed.chunk(i, j, tp)
@@ -303,7 +305,7 @@ def balance(seg: Segments, stages: int, pp: int, in_flight: dict, v: int, tp: in
             for i in range(k - 1, j):
                 if best[k - 1][i] == worst_case:
                     continue
-                which = seg.priced_as(k - 1)
+                which = seg.priced_as(k - 1, rank_of)
                 c = costs.get((i, j, id(which))) or costs.setdefault((i, j, id(which)), which.chunk(i, j, tp))
                 if not _fits(c, flight, share):
                     continue
@@ -361,7 +363,7 @@ def predict(seg: Segments, cuts: list, schedule, tp: int, cm, cands: list, whole
     The simulator takes one transfer time: that of the widest boundary these cuts send."""
     boundary_bytes = max((cands[c - 1].nbytes for c in cuts), default=0)
     edges = [0] + list(cuts) + [len(seg.seconds)]
-    costs = [seg.priced_as(k).chunk(a, b, tp) for k, (a, b) in enumerate(zip(edges, edges[1:]))]
+    costs = [seg.priced_as(k, schedule.rank_of).chunk(a, b, tp) for k, (a, b) in enumerate(zip(edges, edges[1:]))]
     split = 1 + (cm.weight_split_overhead if schedule.split else 0.0)    # B + W cost more than a whole backward
     sim = simulate(add_communication(schedule),
                    Costs.of_stages(costs, cm.p2p_latency + boundary_bytes / cm.p2p_bandwidth,

@@ -38,8 +38,12 @@ def check_heads_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.target is aten.dropout.default:
             p, train = (list(n.args[1:3]) + [0.5, True])[:2]
-            if p > 0 and train and module_path(n) not in dropouts:
-                dropouts.append(module_path(n))
+        elif n.op == "call_function" and n.target is aten.scaled_dot_product_attention.default:
+            p, train = (n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)), True   # SDPA's own
+        else:
+            continue
+        if p > 0 and train and module_path(n) not in dropouts:
+            dropouts.append(module_path(n))
     if dropouts:   # one warning a program, naming the modules
         shown = ", ".join(f"'{m}'" for m in dropouts[:4]) + (f" and {len(dropouts) - 4} more" if len(dropouts) > 4 else "")
         warnings.warn(f"dropout in {shown}: the tp ranks draw their masks from their own torch RNG, so seed every "

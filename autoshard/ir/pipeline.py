@@ -25,7 +25,7 @@ class StageCost:
     forward_seconds: float
     flops: float
     param_bytes: int          # parameters, gradients and AdamW state this stage holds (fp32)
-    activation_bytes: int     # what one microbatch's forward keeps for its backward
+    activation_bytes: float   # what one microbatch's forward keeps for its backward, on one rank (a tp share)
     layers: tuple = ()        # the layer indices (of the model's repeated block) it holds
     recompute_seconds: float = 0.0   # the forward its backward runs again (activation recompute)
 

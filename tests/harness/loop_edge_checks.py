@@ -21,6 +21,11 @@ def _global(step):
     return args
 
 
+def _keywords(args):
+    """A batch as an HF user passes it: ``input_ids=``, ``labels=``, ``use_cache=False``."""
+    return dict(input_ids=args[0], labels=args[1], use_cache=False)
+
+
 def _groups(names):
     """The usual two groups: weight decay on matrices, none on biases, norms and position embeddings."""
     no_decay = [n for n in names if n.endswith("bias") or "ln" in n or "wpe" in n]
@@ -299,28 +304,44 @@ def dropout_on_tp_shards(rank, world):
     sequence shards and the attention's on head shards, and each draws the whole tensor's mask and keeps
     its part (``passes/sharded_dropout.py``), so with every rank seeded as the single device is, the
     losses, gradients and 3 AdamW steps are the model's: in the user's loop and in ``pm.step`` with 2
-    microbatches (run in order: the reference steps on the same halves)."""
+    microbatches (run in order: the reference steps on the same halves). Then SDPA's own ``dropout_p``
+    on head shards, spelled out as ATen's math attention (``passes/sdpa_dropout.py``): the built-in GPT
+    with ``flash=True`` and HF GPT-2 with ``attn_pdrop=0.1`` through SDPA, called with keywords (before
+    the pass each rank drew one pattern over its heads: gradients off by 0.89 and 0.93 relative at tp=2)."""
     from tests.harness.parity_checks import gradient_errors
     out = {}
-    for how in ("call", "step"):
+    for how in ("call", "step", "sdpa", "hf sdpa"):
         mesh = autoshard.init_mesh(tp=4)
-        model = build("gpt", vocab_size=VOCAB, n_layer=2, dropout=0.1, flash=False)
+        if how == "hf sdpa":
+            model = build("hf", vocab_size=VOCAB, attn="sdpa", attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1)
+        else:
+            model = build("gpt", vocab_size=VOCAB, n_layer=2, dropout=0.1, flash=how == "sdpa")
+        model.train()
         ref = copy.deepcopy(model)
-        pm = autoshard.parallelize(copy.deepcopy(model), mesh, _global(0), loss_only=True, sequence_parallel=True,
-                                   **({"microbatches": 2} if how == "step" else {}))
+        if how == "hf sdpa":
+            pm = autoshard.parallelize(copy.deepcopy(model), mesh, (), _keywords(_global(0)), loss_only=True)
+        else:
+            pm = autoshard.parallelize(copy.deepcopy(model), mesh, _global(0), loss_only=True,
+                                       sequence_parallel=how != "sdpa", **({"microbatches": 2} if how == "step" else {}))
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, eps=1e-4)
         ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-4)
         losses, grad_err = [], 0.0
         for step in range(3):
             batch_ = _global(step)
             torch.manual_seed(100 + step)
-            if how == "call":
+            if how == "hf sdpa":
+                loss = pm(**_keywords(batch_)).loss
+                loss.backward()
+            elif how != "step":
                 _, loss = pm(*batch_)
                 loss.backward()
             else:
                 loss = pm.step(*batch_)
             torch.manual_seed(100 + step)
-            if how == "call":
+            if how == "hf sdpa":
+                want = ref(**_keywords(batch_)).loss
+                want.backward()
+            elif how != "step":
                 _, want = ref(*batch_)
                 want.backward()
             else:             # the halves in order, each a mean over its own non-ignored targets

@@ -55,3 +55,14 @@ def test_only_the_ranks_that_recompute_are_priced_so():
     assert first.recompute_seconds > 0 and last.recompute_seconds == 0
     everywhere, nowhere = _stage_bytes({"pp": 2}, recompute=True), _stage_bytes({"pp": 2})
     assert [first.activation_bytes, last.activation_bytes] == [everywhere[0], nowhere[1]]
+
+
+def test_a_schedule_priced_on_the_same_cuts_uses_its_own_placement():
+    """ZB-V is compared with the interleaved schedule on the same cuts: chunk 2 is rank 1's in the V but
+    rank 0's interleaved, so with only rank 0 recomputing its price differs between the two."""
+    from autoshard.ir.schedule import make_schedule
+    from autoshard.passes.pipeline_split import PerRankRecompute
+    v, interleaved = make_schedule("zb-v", 2, 4, 2), make_schedule("interleaved", 2, 4, 2)
+    seg = PerRankRecompute("recomputed", "plain", frozenset({0}), v.rank_of)
+    assert [seg.priced_as(k) for k in range(4)] == ["recomputed", "plain", "plain", "recomputed"]
+    assert [seg.priced_as(k, interleaved.rank_of) for k in range(4)] == ["recomputed", "plain", "recomputed", "plain"]

@@ -281,8 +281,8 @@ def test_zb_v_options_and_its_receives_in_send_order():
 
 def test_zb_v_with_a_heavier_head_chunk_keeps_its_bubble_small():
     """Chunks of unequal activations (the LM head's last chunk, on the V's rank 0 beside the embedding; the
-    heavier middle pair on rank 1): each rank may hold p microbatches of its own pair, so the middle rank
-    does not stall on the first layers' cap. Chunk bytes are the built-in GPT's at pp=2 on its balanced
+    heavier middle pair on rank 1): every rank may hold p microbatches of the heaviest pair, so the middle
+    rank does not stall on the first layers' cap. Chunk bytes are the built-in GPT's at pp=2 on its balanced
     cuts; F = B = W per chunk."""
     from autoshard.ir.schedule import zero_bubble_v
     act = (2.29, 2.23, 2.69, 2.36)
