@@ -26,7 +26,7 @@ import torch.fx as fx
 from autoshard.ir import meta as M
 from autoshard.ir.placement import Replicate
 from autoshard.passes.fusion import _runs_on_cuda
-from autoshard.passes.sharded_dropout import _even_shard
+from autoshard.passes.sharded_dropout import _even_shard, like_node
 
 aten = torch.ops.aten
 
@@ -80,14 +80,7 @@ def _spell_out(g: fx.Graph, n: fx.Node, a: dict, dim: int) -> None:
     grad = M.REQUIRES_GRAD.get(n, True)
 
     def add(target, args, glob, loc, node_spec=spec, requires_grad=grad, kind=dtype):
-        node = g.call_function(target, args)
-        node.meta.update({key: val for key, val in n.meta.items() if key != "val"})
-        node.meta["val"] = torch.empty(tuple(loc), dtype=kind, device="meta")
-        M.SPEC.set(node, node_spec)
-        M.GLOBAL_SHAPE.set(node, tuple(glob))
-        M.LOCAL_SHAPE.set(node, tuple(loc))
-        M.REQUIRES_GRAD.set(node, requires_grad)
-        return node
+        return like_node(g.call_function(target, args), n, node_spec, glob, loc, requires_grad, kind)
 
     whole = spec.with_axis("tp", Replicate())
     with g.inserting_before(n):

@@ -32,6 +32,18 @@ from autoshard.passes.dropout_rng import dropout_args
 aten = torch.ops.aten
 
 
+def like_node(node: fx.Node, template: fx.Node, spec, glob, loc, requires_grad: bool, dtype) -> fx.Node:
+    """Give a node inserted after ``tp_rewrite`` what the later passes read: ``template``'s meta (module
+    path, stage, region), a meta value of its local shape, its placement and both shapes."""
+    node.meta.update({k: v for k, v in template.meta.items() if k != "val"})
+    node.meta["val"] = torch.empty(tuple(loc), dtype=dtype, device="meta")
+    M.SPEC.set(node, spec)
+    M.GLOBAL_SHAPE.set(node, tuple(glob))
+    M.LOCAL_SHAPE.set(node, tuple(loc))
+    M.REQUIRES_GRAD.set(node, requires_grad)
+    return node
+
+
 def _even_shard(spec, shape, t: int):
     """The shard's dim where ``spec`` is one even block over tp, else None."""
     pl = spec.on("tp") if spec is not None else None
@@ -70,12 +82,7 @@ def sharded_dropout_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                                                 (part, spec, shape, local, False), (noise, spec, shape, local, False),
                                                 (out, M.SPEC.get(n), M.GLOBAL_SHAPE.get(n), local,
                                                  M.REQUIRES_GRAD.get(n, True))):
-            node.meta.update({k: v for k, v in n.meta.items() if k != "val"})
-            node.meta["val"] = torch.empty(tuple(loc), dtype=dtype, device="meta")
-            M.SPEC.set(node, node_spec)
-            M.GLOBAL_SHAPE.set(node, tuple(glob))
-            M.LOCAL_SHAPE.set(node, tuple(loc))
-            M.REQUIRES_GRAD.set(node, grad)
+            like_node(node, n, node_spec, glob, loc, grad, dtype)
         n.replace_all_uses_with(out)
         g.erase_node(n)
     g.lint()
