@@ -460,6 +460,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
             program's cuts and placements, so it runs on the same parameter shards."""
             popts = dataclasses.replace(_fitting_microbatches(options.pipeline, spec.pp, args, kwargs),
                                         stretches=tuple(program.plan.stretches))
+            if popts.schedule == "auto" and program.schedule.virtual == 2:   # auto chose ZB-V: its 2p stages
+                popts = dataclasses.replace(popts, schedule="zb-v")
             later = dataclasses.replace(options, pins={**pins, **options.pins}, dump=None, pipeline=popts)
             return compile_pipeline(model, spec, rank, args, kwargs, later, training=training)
         pm = ParallelModule(program, model, comms, mesh["tp"] if real_mesh else None, step_compiler=twin_compiler,

@@ -38,7 +38,7 @@ from autoshard.ir.schedule import SPLIT_SCHEDULES, W_MEMORY, add_communication, 
 from autoshard.passes.cost import flops
 from autoshard.passes.shapes import shape_of, val
 from autoshard.ir.simulator import Costs, simulate
-from autoshard.passes.schedule_auto import choose_schedule, price_schedule
+from autoshard.passes.schedule_auto import choose_schedule, choose_virtual, price_schedule, tries_the_v
 from autoshard.passes.activation_share import ActivationShare, activation_share
 
 ADAM_BYTES_PER_PARAM_BYTE = 4      # the parameter, its gradient, and AdamW's two moments
@@ -384,11 +384,9 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     opts = ctx.options.pipeline
     if opts is None:
         return gm
-    pp, v, m, tp, cm = ctx.mesh.pp, opts.virtual_stages, opts.microbatches, ctx.mesh.tp, ctx.options.cost_model
+    pp, tp, cm = ctx.mesh.pp, ctx.mesh.tp, ctx.options.cost_model
     if cm == CostModel() and not torch.cuda.is_available():
         cm = CostModel.cpu()        # the machine the stages will run on, unless the user priced it
-    stages = pp * v
-    schedule = make_schedule(opts.schedule, pp, m, v)
     act = activations(gm)
     cands = candidates(gm, act)
     prefix = layer_prefix(gm)
@@ -400,6 +398,30 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         seg = price(gm, act, cands, cm, prefix, activation_share(gm, cands, tp, sp, selective=True))
     elif ctx.options.recompute is True:
         seg = whole.with_recompute(cands, share)
+
+    def staged(name: str, v: int) -> StagePlan:
+        return _stage_plan(gm, ctx, cm, name, v, cands, prefix, count, seg, whole)
+    plan = staged(opts.schedule, opts.virtual_stages)
+    if tries_the_v(opts, pp, len(cands) + 1, ctx.options.codegen):
+        try:
+            vee = staged("zb-v", 2)
+        except PipelineSplitError as e:     # fewer places to cut than 2p stages need, or memory
+            plan.schedule_choice += f" zb-v (2 stages a rank, in a V): not possible here ({str(e).split(':')[0]})."
+        else:
+            plan = choose_virtual(plan, vee, opts.memory_limit)
+    for c in plan.stretches:
+        for value in cands[c - 1].values:
+            M.CUT.set(value, value.name)
+    gm.meta[STAGE_PLAN] = plan
+    return gm
+
+
+def _stage_plan(gm, ctx, cm, name: str, v: int, cands, prefix, count, seg, whole) -> StagePlan:
+    """Schedule ``name`` with ``v`` stages a rank: the cuts (balanced, or given), each stage's cost, the
+    schedule generated or chosen on them (``schedule="auto"``), and the simulated step and peak."""
+    opts, pp, tp, m = ctx.options.pipeline, ctx.mesh.pp, ctx.mesh.tp, ctx.options.pipeline.microbatches
+    stages = pp * v
+    schedule = make_schedule(name, pp, m, v)
     if seg is not whole and ctx.options.recompute_stages is not None:     # only these pipeline ranks recompute
         seg = PerRankRecompute(seg, whole, frozenset(ctx.options.recompute_stages), schedule.rank_of)
     if opts.stretches is not None:       # another program's cuts (the eval program takes its training one's)
@@ -420,16 +442,16 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         how = "balanced"
     costs, step, peak = predict(seg, cuts, schedule, tp, cm, cands)
     choice = ""
-    if opts.schedule == "auto" or opts.schedule in SPLIT_SCHEDULES:   # generated or chosen on these stages' costs
+    if name == "auto" or name in SPLIT_SCHEDULES:   # generated or chosen on these stages' costs
         kept = kept_for_w(whole, [0] + list(cuts) + [len(seg.seconds)], tp)
 
         def priced(c, s):
             return predict(seg, c, s, tp, cm, cands, whole)
-    if opts.schedule == "auto":
+    if name == "auto":
         best, choice = choose_schedule(priced, cuts, pp, m, costs, opts.memory_limit, ctx.options.codegen, kept)
         schedule, costs, step, peak = best.schedule, best.costs, best.step, best.peak
-    elif opts.schedule in SPLIT_SCHEDULES:
-        mine = price_schedule(opts.schedule, priced, cuts, pp, m, costs, opts.memory_limit, kept, v)
+    elif name in SPLIT_SCHEDULES:
+        mine = price_schedule(name, priced, cuts, pp, m, costs, opts.memory_limit, kept, v)
         schedule, costs, step, peak = mine.schedule, mine.costs, mine.step, mine.peak
         against = "interleaved" if v > 1 else "1f1b"        # the unsplit schedule on the same stages
         try:
@@ -437,17 +459,14 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         except ValueError:       # interleaved 1F1B needs m % pp == 0
             base = None
         if base is not None:
-            choice = f"{opts.schedule} predicts {step * 1e3:.3f} ms a step, {against} {base * 1e3:.3f} ms on the same cuts."
-        if base is not None and step > base * 1.001:
-            warnings.warn(f"schedule={opts.schedule!r} is predicted slower than {against} on these stages ({step * 1e3:.3f} "
+            choice = f"{name} predicts {step * 1e3:.3f} ms a step, {against} {base * 1e3:.3f} ms on the same cuts."
+        if base is not None and step > base * 1.001 and opts.schedule == name:
+            warnings.warn(f"schedule={name!r} is predicted slower than {against} on these stages ({step * 1e3:.3f} "
                           f"against {base * 1e3:.3f} ms: its split backward costs more than the bubble it fills, "
-                          "or uneven stages leave W little room); schedule='auto' picks the faster", stacklevel=2)
+                          "or uneven stages leave W little room); schedule='auto' picks the faster", stacklevel=4)
     plan = StagePlan(stages, [cands[c - 1].boundary.name for c in cuts], costs, how, len(cands), count, step, peak,
                      stretches=list(cuts), carried=[tuple(a.name for a in cands[c - 1].carried) for c in cuts],
                      schedule=schedule, schedule_choice=choice)
-    for c in cuts:
-        for value in cands[c - 1].values:
-            M.CUT.set(value, value.name)
     if stages > 1 and count >= stages:
         ucuts = uniform_cuts(count, stages)
         try:
@@ -456,5 +475,4 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             plan.uniform = {"cuts": ucuts, "step": ustep, "peak": upeak}
         except PipelineSplitError:
             plan.uniform = None
-    gm.meta[STAGE_PLAN] = plan
-    return gm
+    return plan

@@ -1,11 +1,13 @@
-"""``schedule="auto"``: the pipeline schedule with the shortest simulated step that fits the memory limit.
+"""``schedule="auto"``: the pipeline schedule and v with the shortest simulated step that fits the memory limit.
 
 Once the stages are cut, each candidate schedule is generated on their costs and replayed by the
 simulator (``ir/simulator.py``): the step time, and per rank the parameters plus the activations the
 schedule keeps in flight. The fastest within ``memory_limit`` wins; ``pipeline.md`` says what each
-candidate predicted and why the winner won. The candidates are the one-stage-per-rank schedules, 1F1B
-and ZB-H1 (and only 1F1B where a split backward cannot run: ``codegen="inductor"``): an interleaved
-schedule has ``pp x v`` stages, which are cut differently, so it is chosen by ``virtual_stages``.
+candidate predicted and why the winner won. On one stage a rank the candidates are 1F1B and ZB-H1;
+then ZB-V, two stages a rank in a V, is cut into its own 2p stages (balanced for the V) and priced the
+same way, and wins if it predicts a shorter step within the limit (``choose_virtual``). Only 1F1B where
+a split backward cannot run (``codegen="inductor"``); the interleaved 1F1B is chosen by
+``virtual_stages``, not here.
 """
 from __future__ import annotations
 
@@ -56,3 +58,31 @@ def choose_schedule(predict, cuts, pp: int, m: int, first_costs: list, memory_li
            + (" within memory_limit" if memory_limit is not None else "") + " of " + "; ".join(parts) + "."
            + ("" if len(names) > 1 else " (codegen='inductor' runs whole backwards: no split schedule.)"))
     return best, why
+
+
+def tries_the_v(opts, pp: int, places: int, codegen: str) -> bool:
+    """Whether ``schedule="auto"`` also prices ZB-V (v = 2) on cuts of its own: it balances the cuts
+    itself (no ``pipeline_cuts``, not another program's), there is a pipeline, the graph offers the 2p
+    stages, and a split backward can run."""
+    return (opts.schedule == "auto" and opts.stretches is None and opts.cuts is None and pp > 1
+            and places >= 2 * pp and resolved_codegen(codegen) != "inductor")
+
+
+def choose_virtual(first, vee, memory_limit):
+    """The ``StagePlan`` to run: ``first`` (one stage a rank, its schedule chosen) or ``vee`` (ZB-V on its
+    own cuts), the shorter predicted step within ``memory_limit`` (``first`` on a tie), with the reason
+    added to its ``schedule_choice``."""
+    def fits(plan):
+        return memory_limit is None or max(plan.predicted_peak_bytes.values()) <= memory_limit
+    fitting = [p for p in (first, vee) if fits(p)] or [first, vee]
+    best = min(fitting, key=lambda p: (p.predicted_step, p is vee))
+    said = (f"zb-v on its own {vee.num_stages} stages (two a rank, in a V) predicts {vee.predicted_step * 1e3:.3f} ms, "
+            f"peak {max(vee.predicted_peak_bytes.values()) / 2**20:.2f} MiB"
+            + ("" if fits(vee) else f" (over memory_limit={memory_limit / 2**20:.2f} MiB)"))
+    if best is vee:
+        vee.schedule_choice = (f"schedule='auto' chose zb-v: {said}, the shortest predicted step"
+                               + (" within memory_limit" if memory_limit is not None else "")
+                               + f"; on one stage a rank: {first.schedule_choice}")
+    else:
+        first.schedule_choice += f" {said}: not chosen."
+    return best

@@ -67,8 +67,10 @@ def _check(configs, results):
             assert r["final"] < TOL, (config, r["final"])
             assert r["exact"], config
             assert all(r["tied"].values()), (config, r["tied"])   # tied copies bit-identical after 3 steps
+            assert r["eval"] is None or r["eval"] < TOL, (config, r["eval"])
+            assert "expect" not in config[2] or r["schedule"] == config[2]["expect"], (config, r["schedule"])
         if config[0] != "family" and config[3].get("tie_weights", True) and config[1].get("pp", 1) > 1:
-            if config[2].get("schedule") == "zb-v":      # a V: the first and last stages on rank 0
+            if per_rank[0]["schedule"] == "zb-v":      # a V: the first and last stages on rank 0
                 assert not per_rank[0]["ties"], config
                 continue
             assert per_rank[0]["ties"], config          # the tied head really spans two stages

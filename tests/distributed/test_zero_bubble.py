@@ -7,6 +7,9 @@ matmul's deferred dW), data parallelism with ZeRO-1 (the dp buckets arm at a sta
 built-in GPT, HF GPT-2 and a Llama family model. Under ZB-V the first and last stages share rank 0, so
 the tied head and its embedding are one rank's: no copy crosses ranks.
 """
+import dataclasses
+
+from autoshard.ir.options import CostModel
 from tests.distributed.test_pipeline import _check
 from tests.harness.distributed import run_distributed
 from tests.harness.pipeline_checks import run_configs
@@ -14,10 +17,13 @@ from tests.harness.pipeline_checks import run_configs
 GPT = dict(n_layer=4)
 ZB = dict(microbatches=4, schedule="zb-h1")
 ZBV = dict(microbatches=4, schedule="zb-v")     # two stages a rank in a V: 4 stages on 2 ranks
+# priced with a free split of backward (a GPU's), "auto" chooses ZB-V on its own 4 stages
+# (tests/unit/test_zero_bubble.py); then pm.eval_batch compiles on the same V
+NO_SPLIT_COST = dataclasses.replace(CostModel.cpu(), weight_split_overhead=0.0)
 
 TWO_RANKS = [
     ("gpt", dict(pp=2), ZB, GPT),
-    ("gpt", dict(pp=2), dict(ZB, schedule="auto"), GPT),
+    ("gpt", dict(pp=2), dict(ZB, schedule="auto", cost_model=NO_SPLIT_COST, expect="zb-v", eval=True), GPT),
     ("gpt", dict(pp=2), dict(ZB, recompute=True, clip=0.05), GPT),
     ("hf", dict(pp=2), ZB, {}),
     ("hf", dict(pp=2), dict(ZB, recompute="selective"), {}),

@@ -98,6 +98,8 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
                                                     # one work per batch, a group's batches run in order
     bucket = options.pop("bucket_bytes", None)      # dp buckets of this size, the first too (many all-reduces)
     fused = options.pop("fused", False)             # AdamW(fused=True) on both sides (runtime/fused_optim.py)
+    evaluate = options.pop("eval", False)           # then pm.eval_batch against the model's eval-mode loss
+    options.pop("expect", None)                     # the schedule the test expects "auto" to choose (_check)
     model, vocab = build_model(kind, cfg)
     ref = copy.deepcopy(model)
     dp = mesh.get("dp", 1)            # each dp rank steps on its rows of a global batch of B * dp
@@ -158,10 +160,19 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
             torch.distributed.all_gather(every, local.contiguous(), group=pm.tie_groups[name])
             tied[name] = bool(torch.equal(every[0], every[1]))
     prog = pm.runner.program          # the last step's program (pp = 1: a one-stage pipeline)
+    eval_err = None
+    if evaluate:                      # another program on the training program's cuts and schedule
+        args, kwargs = ragged_batch(kind, vocab, B * dp, T, seed=99)
+        local_args, local_kwargs = autoshard.local_batch((args, kwargs), device_mesh)
+        got = float(pm.eval_batch(*local_args, **local_kwargs))
+        ref.eval()
+        with torch.no_grad():
+            want = float(_loss(kind, ref(*args, **kwargs)))
+        eval_err = abs(got - want) / abs(want)
     state = opt.state_bytes() if zero else sum(v.numel() * v.element_size() for st in opt.state.values()
                                                for v in st.values() if torch.is_tensor(v) and v.dim())
     return dict(losses=losses, grads=grads, norms=norms, final=final, state_bytes=state, tied=tied, ties=prog.ties(), exact=prog.loss.exact,
-                stages=[c.index for c in prog.own])
+                stages=[c.index for c in prog.own], schedule=prog.schedule.name, eval=eval_err)
 
 
 def run_configs(rank, world, configs):

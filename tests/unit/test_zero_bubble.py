@@ -177,20 +177,28 @@ def test_zb_h1_takes_free_actions(costs):
     validate(add_communication(zero_bubble_h1(3, 6, **costs)))
 
 
-def test_auto_picks_the_shortest_simulated_step_and_says_why():
-    """``schedule="auto"`` prices 1F1B and ZB-H1 on the same cuts and runs the faster: its predicted step
-    is the least of the two, which compiled on their own predict."""
-    model, args = build("gpt", n_layer=4), batch("gpt", 96, B=8)
-    steps = {name: compile_pp(model, *args, microbatches=8, schedule=name).plan.predicted_step
-             for name in ("1f1b", "zb-h1")}
-    auto = compile_pp(model, *args, microbatches=8, schedule="auto")
-    chosen = auto.schedule.name.split("_")[0]
-    assert chosen in steps and auto.plan.predicted_step == pytest.approx(min(steps.values()))
-    assert auto.plan.predicted_step == pytest.approx(steps[chosen])
-    assert "1f1b" in auto.plan.schedule_choice and "zb-h1" in auto.plan.schedule_choice
-    assert auto.schedule.split == (chosen == "zb-h1")
-    options = CompileOptions(codegen="inductor", pipeline=PipelineOptions(microbatches=8, schedule="auto"))
+@pytest.mark.parametrize("split_cost", [0.25, 0.0])
+def test_auto_picks_the_shortest_simulated_step_and_says_why(split_cost):
+    """``schedule="auto"`` prices 1F1B and ZB-H1 on the same cuts, and ZB-V on its own 2p stages, and runs
+    the fastest: its predicted step is the least of the three, which compiled on their own predict. With
+    the CPU's price of a split backward 1F1B wins here; with a free split (a GPU's), ZB-V."""
+    import dataclasses
     import autoshard
+    from autoshard.ir.options import CostModel
+    model, args = build("gpt", n_layer=4), batch("gpt", 96, B=8)
+    cm = dataclasses.replace(CostModel.cpu(), weight_split_overhead=split_cost)
+
+    def compiled(name):
+        options = CompileOptions(cost_model=cm, pipeline=PipelineOptions(microbatches=8, schedule=name))
+        return autoshard.compile_pipeline(model, {"pp": 2}, 0, *args, options)
+    steps = {name: compiled(name).plan.predicted_step for name in ("1f1b", "zb-h1", "zb-v")}
+    auto = compiled("auto")
+    chosen = auto.schedule.name
+    assert chosen == ("1f1b" if split_cost else "zb-v")
+    assert auto.plan.predicted_step == pytest.approx(min(steps.values())) == pytest.approx(steps[chosen])
+    assert all(name in auto.plan.schedule_choice for name in steps)
+    assert auto.schedule.split == (chosen != "1f1b") and len(auto.chunks) == (4 if chosen == "zb-v" else 2)
+    options = CompileOptions(codegen="inductor", pipeline=PipelineOptions(microbatches=8, schedule="auto"))
     whole = autoshard.compile_pipeline(model, {"pp": 2}, 0, *args, options)
     assert not whole.schedule.split and "inductor" in whole.plan.schedule_choice
 
