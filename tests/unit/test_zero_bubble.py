@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from autoshard.ir.options import CompileOptions, PipelineOptions
-from autoshard.ir.schedule import (W_MEMORY, Action, Kind, Schedule, add_communication, make_schedule,
-                                   one_f_one_b, validate, zero_bubble_h1)
+from autoshard.ir.schedule import W_MEMORY, Action, Kind, Schedule, add_communication, make_schedule, one_f_one_b, validate
+from autoshard.ir.zero_bubble import zero_bubble_h1
 from autoshard.ir.simulator import Costs, simulate
 from autoshard.ir.weight_grad import WeightGrads, deferred_linear, deferring, splitting
 from tests.unit.test_pipeline_compile import compile_pp
@@ -256,7 +256,7 @@ def test_zb_v_is_valid_and_near_zero_bubble_at_1f1bs_peak(pp, m):
     """ZB-V (two stages a rank in a V): every action once, in dependency order, transfers matched; with
     F = B = W per chunk (half a stage's 1F1B costs), the step is within (p - 1)/2 chunk-F of the ideal
     3 m (1F1B idles 2(p - 1) of a stage's F + B), and no rank holds more than 1F1B's first rank."""
-    from autoshard.ir.schedule import one_f_one_b, zero_bubble_v
+    from autoshard.ir.zero_bubble import zero_bubble_v
     s = zero_bubble_v(pp, m)
     assert s.placement == "v" and s.split and s.virtual == 2
     assert all(s.rank_of(r) == r and s.rank_of(2 * pp - 1 - r) == r for r in range(pp))
@@ -274,7 +274,7 @@ def test_zb_v_options_and_its_receives_in_send_order():
     """``schedule="zb-v"`` sets v = 2 (any other v is an error). Rank 0 sends stage 0's F and stage 3's B to
     rank 1 on one channel: the lowering receives them in the order they were sent."""
     from autoshard.ir.options import PipelineOptions
-    from autoshard.ir.schedule import zero_bubble_v
+    from autoshard.ir.zero_bubble import zero_bubble_v
     assert PipelineOptions(microbatches=4, schedule="zb-v").virtual_stages == 2
     with pytest.raises(ValueError, match="two stages on each rank"):
         PipelineOptions(microbatches=4, schedule="zb-v", virtual_stages=3)
@@ -292,7 +292,7 @@ def test_zb_v_with_a_heavier_head_chunk_keeps_its_bubble_small():
     heavier middle pair on rank 1): every rank may hold p microbatches of the heaviest pair, so the middle
     rank does not stall on the first layers' cap. Chunk bytes are the built-in GPT's at pp=2 on its balanced
     cuts; F = B = W per chunk."""
-    from autoshard.ir.schedule import zero_bubble_v
+    from autoshard.ir.zero_bubble import zero_bubble_v
     act = (2.29, 2.23, 2.69, 2.36)
     s = zero_bubble_v(2, 8, activation=list(act))
     tl = simulate(s, Costs((0.5,) * 4, (1.0,) * 4, act))
