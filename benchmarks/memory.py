@@ -11,8 +11,11 @@ and the head cancel. The paper's formula counts 16-bit activations and 1-byte dr
 bytes, two masks at 1; sharded: q, k, v, the attention output, the GeLU input and output; per head: the
 softmax and its dropout output at 4 bytes, the mask at 1). Selective drops the last term; full recompute
 keeps only the layer's input, 4 s b h. With sequence parallelism (``sequence_parallel=True``) the
-replicated terms are sharded too: ``(s b h / t)(66 + 9 a s / h)``. Step time (forward + backward) is
-reported against TP alone. Writes ``memory_results.md``.
+replicated terms are sharded too: ``(s b h / t)(66 + 9 a s / h)``; autoshard keeps the two
+column-parallel inputs gathered for the weight gradient (8 s b h (1 - 1/t) more), unless
+``sequence_parallel="regather"`` keeps their shards and gathers them again in backward, as Megatron
+(whose bytes the formula counts) does. Step time (forward + backward) is reported against TP alone.
+Writes ``memory_results.md``.
 """
 from __future__ import annotations
 
@@ -25,7 +28,9 @@ import torch
 
 OUT = os.path.join(os.path.dirname(__file__), "results")
 VARIANTS = {"TP": (False, False), "TP + selective": ("selective", False), "TP + full recompute": (True, False),
-            "TP + SP": (False, True), "TP + SP + selective": ("selective", True)}     # (recompute, sequence_parallel)
+            "TP + SP": (False, True), "TP + SP + selective": ("selective", True),
+            "TP + SP regather": (False, "regather"), "TP + SP regather + selective": ("selective", "regather")}
+# (recompute, sequence_parallel)
 
 
 def formula_fp32(s: int, b: int, h: int, a: int, t: int, variant: str) -> float:

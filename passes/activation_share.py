@@ -47,7 +47,7 @@ class ActivationShare:
     """How a rank's saved bytes relate to the global graph's: ``tp``, sequence parallelism, the residual
     stream's size (elements, and its width) and the nodes selective recompute does not keep."""
     tp: int = 1
-    sequence_parallel: bool = False
+    sequence_parallel: bool | str = False      # "regather": the column-parallel inputs kept as shards too
     stream_numel: int = 0
     hidden: int = 0
     recomputed: frozenset = frozenset()
@@ -63,10 +63,12 @@ class ActivationShare:
         stream = bool(shape) and shape[-1] == self.hidden and math.prod(shape) == self.stream_numel
         if not stream:
             return nbytes / self.tp
-        return nbytes / self.tp if self.sequence_parallel and not _feeds_a_weight(n) else nbytes
+        if not self.sequence_parallel:
+            return nbytes
+        return nbytes if self.sequence_parallel != "regather" and _feeds_a_weight(n) else nbytes / self.tp
 
 
-def activation_share(gm: fx.GraphModule, cands: list, tp: int, sequence_parallel: bool,
+def activation_share(gm: fx.GraphModule, cands: list, tp: int, sequence_parallel: bool | str,
                      selective: bool) -> ActivationShare:
     """The share for ``gm`` cut at candidates ``cands`` (``pipeline_split.candidates``): the residual
     stream is the value most cuts send."""

@@ -68,7 +68,8 @@ def overlap_grad_allreduce_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
             continue
         mm, weight, bias, transposed = use
         name = f.target.replace("f_", "column_matmul_") if gather is None else f"column_{f.target}"
-        gm.add_submodule(name, ops.ColumnParallelMatmul(fmod.axis, fmod.size, fmod.shape, transposed, gather))
+        regather = ctx is not None and ctx.options.sequence_parallel == "regather"
+        gm.add_submodule(name, ops.ColumnParallelMatmul(fmod.axis, fmod.size, fmod.shape, transposed, gather, regather))
         f.replace_all_uses_with(f.args[0])  # the reshape chain now reads the un-f'd value
         with g.inserting_before(mm):
             fused = g.call_module(name, (node if chain else f.args[0], weight) + ((bias,) if bias is not None else ()))

@@ -391,7 +391,7 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     cands = candidates(gm, act)
     prefix = layer_prefix(gm)
     count = len({layer_of(n, prefix) for n in gm.graph.nodes} - {None})
-    sp = ctx.options.sequence_parallel and tp > 1
+    sp = ctx.options.sequence_parallel if tp > 1 else False
     share = activation_share(gm, cands, tp, sp, selective=False)
     seg = whole = price(gm, act, cands, cm, prefix, share)
     if ctx.options.recompute == "selective":

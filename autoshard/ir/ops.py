@@ -112,9 +112,11 @@ class ColumnParallelMatmul(ParallelOp):
     sequence shard and is all-gathered along ``gather_dim`` forward, and the input gradient's
     reduce-scatter overlaps dW (Megatron's linear with async communication under sequence parallelism)."""
 
-    def __init__(self, axis, size, shape, transposed: bool, gather_dim: int | None = None):
+    def __init__(self, axis, size, shape, transposed: bool, gather_dim: int | None = None, regather: bool = False):
         super().__init__(axis, size)
         self.shape, self.transposed, self.gather_dim = tuple(shape), transposed, gather_dim
+        # sequence_parallel="regather": keep the shard, gather it again in backward (Megatron's memory)
+        self.regather = regather and gather_dim is not None
         self.defer_weight = False     # split_weight_grad: dW waits for the schedule's W (ir/weight_grad.py)
 
     def meta_forward(self, x, weight, bias=None):
@@ -125,12 +127,17 @@ class ColumnParallelMatmul(ParallelOp):
     def steps(self):
         base = (copy_to_parallel_steps(self.axis, self.shape) if self.gather_dim is None
                 else sequence_gather_steps(self.axis, self.shape))
-        return [replace(s, what=s.what + ", overlapped with dW") if s.phase == "bwd" else s for s in base]
+        out = [replace(s, what=s.what + ", overlapped with dW") if s.phase == "bwd" else s for s in base]
+        if self.regather:       # the forward's gather again, in backward, under the input gradient's matmul
+            out += [replace(s, phase="bwd", what=s.what + " again in backward (the shard kept, not the gathered input)")
+                    for s in base if s.phase == "fwd"]
+        return out
 
     def extra_repr(self):
         if self.gather_dim is not None:
             return (f"sequence gather fused on {self.axis} along dim {self.gather_dim}: async reduce-scatter of the "
-                    f"input gradient (global shape {self.shape}) overlaps dW")
+                    f"input gradient (global shape {self.shape}) overlaps dW"
+                    + ("; the shard is kept and gathered again in backward" if self.regather else ""))
         return f"f fused on {self.axis}: async all-reduce of the input gradient (global shape {self.shape}) overlaps dW"
 
 

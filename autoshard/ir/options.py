@@ -162,7 +162,8 @@ class CompileOptions:
     loss_fn: object = None                            # loss_fn(model output, target): compiled in (torch pipelining's)
     codegen: str = "auto"                             # "autoshard" (eager ops + fuse's kernels), "inductor", "auto"
     cuda_graphs: bool = False                         # replay each program as CUDA graphs (codegen="inductor", CUDA)
-    sequence_parallel: bool = False                   # the replicated residual stream sharded along the sequence
+    sequence_parallel: bool | str = False             # the replicated residual stream sharded along the sequence;
+                                                      # "regather": column-parallel inputs kept as shards (Megatron's)
     check_finite: bool | None = None                  # raise on a NaN/inf loss or gradient norm (None: AUTOSHARD_CHECK_FINITE)
 
     def __post_init__(self):
@@ -185,6 +186,11 @@ class CompileOptions:
                 raise ValueError(f"recompute_stages={tuple(stages)} with recompute=False: say how those stages "
                                  "recompute (recompute=True or 'selective')")
             self.recompute_stages = tuple(sorted(set(stages)))
+        if self.sequence_parallel not in (True, False, "regather"):
+            raise ValueError(f"sequence_parallel={self.sequence_parallel!r}: True (the residual stream sharded along "
+                             "the sequence between tp regions, each column-parallel input kept gathered for its "
+                             "weight gradient), 'regather' (kept as the sequence shard and gathered again in "
+                             "backward, Megatron's: less memory, one more all-gather a matmul), or False")
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise ValueError(f"loss_fn={self.loss_fn!r} is not callable: give loss_fn(output, target) -> scalar, "
                              "as torch.distributed.pipelining's schedules take")

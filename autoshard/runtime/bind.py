@@ -37,8 +37,9 @@ def _column_parallel_matmul(op, comm, x, weight, bias=None):
     if getattr(op, "defer_weight", False) and weight_grad.is_splitting() and torch.is_grad_enabled() \
             and weight.requires_grad:
         # the weight goes in detached, its history held for W (as ir.weight_grad.deferred_linear does)
-        return C.ColumnParallelMatmul.apply(x, weight.detach(), bias, comm, op.transposed, [weight], op.gather_dim)
-    return C.ColumnParallelMatmul.apply(x, weight, bias, comm, op.transposed, None, op.gather_dim)
+        return C.ColumnParallelMatmul.apply(x, weight.detach(), bias, comm, op.transposed, [weight], op.gather_dim,
+                                            op.regather)
+    return C.ColumnParallelMatmul.apply(x, weight, bias, comm, op.transposed, None, op.gather_dim, op.regather)
 
 
 def _vocab_parallel_embedding(op, comm, weight, idx):

@@ -141,12 +141,17 @@ class ColumnParallelMatmul(torch.autograd.Function):
 
     Backward starts the all-reduce of the partial input gradient, computes the weight and bias
     gradients while it runs, then waits: Megatron's LinearWithGradAccumulationAndAsyncCommunication.
+    Under sequence parallelism with ``regather`` the forward keeps the sequence shard, not the gathered
+    input, and backward gathers it again while it computes the input gradient, as Megatron does: t times
+    less memory for this input, for one more all-gather a backward.
     """
     @staticmethod
-    def forward(ctx, x, weight, bias, comm, transposed, held=None, gather_dim=None):
+    def forward(ctx, x, weight, bias, comm, transposed, held=None, gather_dim=None, regather=False):
+        shard = x
         if gather_dim is not None:     # a sequence shard: gathered here, its gradient reduce-scattered
             x = comm.all_gather(x.contiguous(), gather_dim, "fwd")
-        ctx.save_for_backward(x, weight)
+        ctx.regather = regather and gather_dim is not None
+        ctx.save_for_backward(shard if ctx.regather else x, weight)
         ctx.comm, ctx.transposed, ctx.has_bias, ctx.held = comm, transposed, bias is not None, held
         ctx.gather_dim = gather_dim
         return F.linear(x, weight.t() if transposed else weight, bias)
@@ -154,12 +159,15 @@ class ColumnParallelMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
+        gathering = ctx.comm.all_gather_async(x, ctx.gather_dim, "bwd") if ctx.regather else None
         w = weight.t() if ctx.transposed else weight          # (out, in)
         dx = g.matmul(w).contiguous()                         # partial sums over this rank's columns
         handle = None
         if ctx.needs_input_grad[0]:
             handle = (ctx.comm.all_reduce_async(dx, "bwd") if ctx.gather_dim is None
                       else ctx.comm.reduce_scatter_async(dx, ctx.gather_dim, "bwd"))
+        if gathering is not None:
+            x = gathering.wait()
         dw = db = None
         if ctx.held is not None:       # split_weight_grad: dW for the schedule's W (ir/weight_grad.py)
             real, ctx.held = ctx.held[0], None
@@ -172,4 +180,4 @@ class ColumnParallelMatmul(torch.autograd.Function):
             shard = handle.wait()
             if ctx.gather_dim is not None:
                 dx = shard
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None

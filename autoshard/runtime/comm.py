@@ -68,12 +68,16 @@ class AxisComm:
 
     def all_gather(self, x, dim, phase):
         """Concatenate every rank's ``x`` along ``dim``."""
+        return self.all_gather_async(x, dim, phase).wait()
+
+    def all_gather_async(self, x, dim, phase) -> "Pending":
+        """Start ``all_gather``; ``wait()`` on the handle returns the concatenation."""
         if self.size == 1:
-            return x
+            return Pending(None, lambda: x)
         if x.is_meta:
             shape = list(x.shape)
             shape[dim] *= self.size
-            return x.new_empty(shape)
+            return Pending(None, lambda: x.new_empty(shape))
         x = x.contiguous()
         self._log("all_gather", x.numel() * self.size, x.element_size(), phase)
         if dist.get_backend(self.group) == "gloo" and _all_to_all_single is not None:
@@ -81,15 +85,14 @@ class AxisComm:
             # measured: 0.30 against 0.38 ms on 2 ranks, 2.1 against 3.8 ms on 4); each rank sends its
             # part to every rank, the same (n-1)/n of the bytes
             parts = x.new_empty((self.size,) + tuple(x.shape))
-            _all_to_all_single(parts, x.unsqueeze(0).expand(self.size, *x.shape).contiguous(), group=self.group)
-            return torch.cat(parts.unbind(0), dim=dim)
+            work = _all_to_all_single(parts, x.unsqueeze(0).expand(self.size, *x.shape).contiguous(),
+                                      group=self.group, async_op=True)
+            return Pending(work, lambda: torch.cat(parts.unbind(0), dim=dim))
         if dim == 0:
             out = x.new_empty((self.size * x.shape[0],) + tuple(x.shape[1:]))
-            _all_gather_single(out, x, group=self.group)
-            return out
+            return Pending(_all_gather_single(out, x, group=self.group, async_op=True), lambda: out)
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self.group)
-        return torch.cat(parts, dim=dim)
+        return Pending(dist.all_gather(parts, x, group=self.group, async_op=True), lambda: torch.cat(parts, dim=dim))
 
     def all_gather_objects(self, obj) -> list:
         """Every rank's ``obj`` in rank order (pickled: hand it CPU tensors only, as a CUDA tensor would

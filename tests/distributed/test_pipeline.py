@@ -38,7 +38,8 @@ FOUR_RANKS = [
     ("gpt", dict(pp=2, tp=2), dict(microbatches=2, schedule="1f1b", clip=0.05, recompute=True), GPT),
     ("hf", dict(pp=2, tp=2), dict(microbatches=2, schedule="interleaved", virtual_stages=2), {}),
     ("gpt", dict(pp=2, tp=2), dict(microbatches=2, sequence_parallel=True), GPT),   # sequence-sharded boundary
-    ("gpt", dict(tp=4), dict(microbatches=2, sequence_parallel=True), dict(n_layer=2)),   # gloo's RS as all-to-all
+    # gloo's RS and AG as all-to-alls; the column-parallel inputs kept as shards and gathered again, async
+    ("gpt", dict(tp=4), dict(microbatches=2, sequence_parallel="regather"), dict(n_layer=2)),
 ]
 
 

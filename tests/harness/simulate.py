@@ -65,6 +65,12 @@ class SimComm(AxisComm):
         self._log("all_gather", x.numel() * self.size, x.element_size(), phase)
         return torch.cat(self._exchange(x), dim)
 
+    def all_gather_async(self, x, dim, phase):
+        if self.size == 1 or x.is_meta:
+            return super().all_gather_async(x, dim, phase)
+        out = self.all_gather(x, dim, phase)
+        return Pending(None, lambda: out)
+
     def reduce_scatter(self, x, dim, phase):
         if self.size == 1 or x.is_meta:
             return super().reduce_scatter(x, dim, phase)

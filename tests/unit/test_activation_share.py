@@ -66,3 +66,11 @@ def test_a_schedule_priced_on_the_same_cuts_uses_its_own_placement():
     seg = PerRankRecompute("recomputed", "plain", frozenset({0}), v.rank_of)
     assert [seg.priced_as(k) for k in range(4)] == ["recomputed", "plain", "plain", "recomputed"]
     assert [seg.priced_as(k, interleaved.rank_of) for k in range(4)] == ["recomputed", "plain", "recomputed", "plain"]
+
+
+def test_regather_keeps_the_column_parallel_inputs_as_shards():
+    """``sequence_parallel="regather"``: the norms' outputs a column-parallel matmul reads are kept as the
+    sequence shard too, so a rank keeps less than under SP that keeps them gathered."""
+    sp = _stage_bytes({"pp": 2, "tp": 2}, sequence_parallel=True)
+    again = _stage_bytes({"pp": 2, "tp": 2}, sequence_parallel="regather")
+    assert all(a < b for a, b in zip(again, sp))
