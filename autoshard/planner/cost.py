@@ -57,7 +57,8 @@ class Candidate:
     v: int = 1                # virtual stages (chunks) per pipeline rank: 1 is plain 1F1B
     recompute: str = "none"   # "none", "selective" (attention cores run again) or "full" (whole layers)
     zero: int = 0             # 1: the optimizer state sharded over dp (ZeRO-1)
-    sp: bool = False          # sequence parallelism: the stream sharded along the sequence over tp
+    sp: bool | str = False    # sequence parallelism: the stream sharded along the sequence over tp
+                              # ("regather": the column-parallel inputs kept as shards, gathered again)
 
     @property
     def gpus(self) -> int:
@@ -158,14 +159,14 @@ def activation_bytes_per_layer(shape: ModelShape, b: int, t: int, recompute: str
     attention is flash (it keeps no s x s matrix) or its core runs again (selective recompute), and only
     the layer's input (2 s b h) under full recompute. Sequence parallelism shards the replicated 10 too:
     ``(s b h / t)(34 + 5 a s / h)``, except that autoshard keeps the two column-parallel inputs (the
-    gathered norm outputs, 2 s b h bytes each) whole for the weight gradient where Megatron gathers them
-    again in backward: ``4 s b h (1 - 1/t)`` more."""
+    gathered norm outputs, 2 s b h bytes each) whole for the weight gradient: ``4 s b h (1 - 1/t)`` more,
+    unless ``sp="regather"`` keeps their shards and gathers them again in backward, as Megatron does."""
     s, h, a = shape.seq, shape.hidden, shape.heads
     if recompute == "full":
         return 2.0 * s * b * h / (t if sp else 1)
     ffn_scale = shape.ffn * (3 if shape.gated else 2) / (8 * h)     # 1 for GPT's 4h two-matrix MLP
     per_token = 10 / (t if sp else 1) + 24 / t * (0.5 + 0.5 * ffn_scale)
-    if sp and t > 1:
+    if sp and t > 1 and sp != "regather":
         per_token += 4 * (1 - 1 / t)
     if not flash and recompute != "selective":
         per_token += 5 * a * s / (h * t)
@@ -252,6 +253,8 @@ def _layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: fl
     link = cluster.link(t, 1)
     one = ring_all_reduce_seconds(BF16 * tokens * h, t, link)
     collectives = 4 * one + (2 * one if c.recompute == "full" else 0)
+    if c.sp == "regather" and c.recompute != "full":   # the two column-parallel inputs gathered again: an
+        collectives += one                             # all-gather each, half an all-reduce's traffic
     again = {"full": forward, "selective": core}.get(c.recompute, 0.0)
     return forward, again, collectives
 

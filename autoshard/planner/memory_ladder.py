@@ -7,6 +7,8 @@ For a model, a mesh (dp, pp, tp) and a batch, the ways to hold less, in the orde
 2. TP + sequence parallelism: the replicated LayerNorm, dropout and residual activations sharded over
    tp (``10 sbh`` becomes ``10 sbh / t``, less the two column-parallel inputs autoshard keeps gathered
    for dW: ``4 sbh (1 - 1/t)``), for the same bytes communicated;
+2b. SP with those inputs kept as shards and gathered again in backward (``sequence_parallel="regather"``,
+   Megatron's): the paper's ``(sbh/t)(34 + 5as/h)``, for one more all-gather a column-parallel matmul;
 3. TP + SP + selective recompute: the attention cores run again in backward, so no ``5 a s / (h t)``
    term (nothing to drop where attention is flash: it keeps no s x s matrix anyway);
 4. full recompute (with SP where tp > 1): each layer keeps only its input and runs again.
@@ -51,7 +53,7 @@ class Rung:
     """One way to train on the mesh, priced: its recompute and SP, the most loaded rank's ``Memory``, the
     total bytes of each pipeline stage, and the predicted step (to rank the rungs, not to promise)."""
     recompute: str            # "none", "selective" or "full"
-    sp: bool
+    sp: bool | str            # "regather": the column-parallel inputs kept as shards
     tp: int
     memory: Memory
     stage_bytes: tuple        # total bytes per pipeline rank, rank 0 first
@@ -63,9 +65,10 @@ class Rung:
 
     @property
     def name(self) -> str:
+        sp = "TP + SP (regathered)" if self.sp == "regather" else "TP + SP"
         if self.recompute == "none":
-            return "TP + SP" if self.sp else ("TP alone" if self.tp > 1 else "no recompute")
-        return f"{'TP + SP + ' if self.sp else ''}{self.recompute} recompute"
+            return sp if self.sp else ("TP alone" if self.tp > 1 else "no recompute")
+        return f"{sp + ' + ' if self.sp else ''}{self.recompute} recompute"
 
     def options(self) -> dict:
         """The keywords of ``parallelize`` this rung sets."""
@@ -188,11 +191,13 @@ def rungs_for(tp: int, seq: int, recompute: str | None = None, sp: bool | None =
     if sp is None and recompute is None:
         if not sp_ok:
             return [("none", False), ("selective", False), ("full", False)]
-        return [("none", False), ("none", True), ("selective", True), ("full", True)]
+        return [("none", False), ("none", True), ("none", "regather"), ("selective", True),
+                ("selective", "regather"), ("full", True)]
     if recompute is None:
         return [(r, sp) for r in ("none", "selective", "full")]
     if sp is None:
-        return [(recompute, False)] + ([(recompute, True)] if sp_ok else [])
+        return [(recompute, False)] + ([(recompute, True), (recompute, "regather")] if sp_ok and recompute != "full"
+                                       else [(recompute, True)] if sp_ok else [])
     return [(recompute, sp)]
 
 

@@ -27,7 +27,8 @@ from tests.harness.simulate import simulate
 SHAPE = BUILTIN["gpt-1.7b"]
 MESH = dict(dp=1, pp=2, tp=4, b=2, m=8)
 WALK = dict(MESH, pp=1)
-LADDER = ["TP alone", "TP + SP", "TP + SP + selective recompute", "TP + SP + full recompute"]
+LADDER = ["TP alone", "TP + SP", "TP + SP (regathered)", "TP + SP + selective recompute",
+          "TP + SP (regathered) + selective recompute", "TP + SP + full recompute"]
 MiB = 2**20
 
 
@@ -51,7 +52,7 @@ def test_lowering_the_limit_walks_the_ladder_then_names_the_missing_bytes():
     names = [r.name for r in free.rungs]
     assert names == LADDER, names                            # the ladder is the order of the time they add
     steps = [r.step_seconds for r in free.rungs]
-    assert steps == sorted(steps) and len(set(steps)) == 4
+    assert steps == sorted(steps) and len(set(steps)) == len(LADDER)
     sizes = [r.bytes for r in free.rungs]
     assert all(a > b for a, b in zip(sizes, sizes[1:])), sizes   # each rung holds less than the one before
     for r in free.rungs:                                     # the bytes are the cost model's
@@ -68,8 +69,12 @@ def test_lowering_the_limit_walks_the_ladder_then_names_the_missing_bytes():
         if i + 1 < len(free.rungs):
             assert _choose(below, WALK).chosen.name == LADDER[i + 1]
         chosen.append(at.chosen.options())
+    # TP, SP, SP with the column-parallel inputs as shards (Megatron's bytes), SP + selective, both, full
     assert chosen == [{"recompute": False, "sequence_parallel": False}, {"recompute": False, "sequence_parallel": True},
-                      {"recompute": "selective", "sequence_parallel": True}, {"recompute": True, "sequence_parallel": True}]
+                      {"recompute": False, "sequence_parallel": "regather"},
+                      {"recompute": "selective", "sequence_parallel": True},
+                      {"recompute": "selective", "sequence_parallel": "regather"},
+                      {"recompute": True, "sequence_parallel": True}]
     smallest = free.rungs[-1].bytes
     with pytest.raises(MemoryLimitError) as e:
         _choose(smallest - 3 * MiB, WALK)
@@ -81,12 +86,15 @@ def test_lowering_the_limit_walks_the_ladder_then_names_the_missing_bytes():
 
 def test_flash_attention_leaves_selective_recompute_nothing_to_drop():
     """With flash attention no s x s matrix is kept, so selective recompute holds what SP holds, for
-    more time: the choice goes from SP straight to full recompute."""
+    more time: the choice goes from SP to SP with its inputs regathered, then straight to full recompute."""
     free = choose(SHAPE, 1e15, **MESH, cluster=DGX_A100, flash=True)
     by = {r.name: r for r in free.rungs}
     assert by["TP + SP + selective recompute"].bytes == by["TP + SP"].bytes
+    assert by["TP + SP (regathered) + selective recompute"].bytes == by["TP + SP (regathered)"].bytes
     below_sp = choose(SHAPE, by["TP + SP"].bytes - 1, **MESH, cluster=DGX_A100, flash=True)
-    assert below_sp.chosen.name == "TP + SP + full recompute"
+    assert below_sp.chosen.name == "TP + SP (regathered)"
+    below = choose(SHAPE, by["TP + SP (regathered)"].bytes - 1, **MESH, cluster=DGX_A100, flash=True)
+    assert below.chosen.name == "TP + SP + full recompute"
 
 
 def test_each_stage_holds_its_own_microbatches_in_flight():
