@@ -401,14 +401,24 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
 
     def staged(name: str, v: int) -> StagePlan:
         return _stage_plan(gm, ctx, cm, name, v, cands, prefix, count, seg, whole)
-    plan = staged(opts.schedule, opts.virtual_stages)
-    if tries_the_v(opts, pp, len(cands) + 1, ctx.options.codegen):
+    v_too = tries_the_v(opts, pp, len(cands) + 1, ctx.options.codegen)
+    try:
+        plan = staged(opts.schedule, opts.virtual_stages)
+    except PipelineSplitError as e:         # memory: the V may still fit
+        if not v_too:
+            raise
+        plan, first_error = None, e
+    if v_too:
         try:
             vee = staged("zb-v", 2)
         except PipelineSplitError as e:     # fewer places to cut than 2p stages need, or memory
+            if plan is None:
+                raise first_error from e
             plan.schedule_choice += f" zb-v (2 stages a rank, in a V): not possible here ({str(e).split(':')[0]})."
         else:
-            plan = choose_virtual(plan, vee, opts.memory_limit)
+            plan = vee if plan is None else choose_virtual(plan, vee, opts.memory_limit)
+            if plan is vee and not vee.schedule_choice:
+                vee.schedule_choice = f"schedule='auto' chose zb-v: on one stage a rank nothing fits ({first_error})"
     for c in plan.stretches:
         for value in cands[c - 1].values:
             M.CUT.set(value, value.name)
@@ -438,7 +448,12 @@ def _stage_plan(gm, ctx, cm, name: str, v: int, cands, prefix, count, seg, whole
         cuts, how = [], "one stage"
     else:
         send = [0.0] + [cm.p2p_latency + c.nbytes / cm.p2p_bandwidth for c in cands] + [0.0]
-        cuts = balance(seg, stages, pp, validate(schedule), v, tp, opts.memory_limit, send, schedule.rank_of)
+        cuts = balance(seg, stages, pp, validate(schedule), v, tp, None, send, schedule.rank_of)
+        # the balancer gives each of a rank's v chunks an equal share of the limit: where the cuts it
+        # finds without one fit as the simulator replays them, they stand (a V's heavy head chunk and a
+        # light neighbour on one rank), else it cuts again within the shares
+        if opts.memory_limit is not None and max(predict(seg, cuts, schedule, tp, cm, cands)[2].values()) > opts.memory_limit:
+            cuts = balance(seg, stages, pp, validate(schedule), v, tp, opts.memory_limit, send, schedule.rank_of)
         how = "balanced"
     costs, step, peak = predict(seg, cuts, schedule, tp, cm, cands)
     choice = ""

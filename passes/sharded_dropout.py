@@ -15,8 +15,9 @@ only the scaled slice is kept for backward. Megatron's model-parallel RNG tracke
 seed instead, which is cheaper but draws masks no single device would.
 
 Only even shards (one block, a dimension tp divides); a blocked or uneven shard stays torch's dropout
-and the fusion report says so. SDPA's own ``dropout_p`` draws inside the attention op, on the head
-shard it is given: not rewritten (its mask is each rank's part drawn from the same state). After ``tp_rewrite`` (the placements are local there), before the
+and the fusion report says so. SDPA's own ``dropout_p`` draws inside the attention op: the pass before
+this one (``sdpa_dropout``) writes such a call out on CPU, with an explicit dropout that this pass then
+rewrites like any other. After ``tp_rewrite`` (the placements are local there), before the
 recompute passes (which tag the new nodes with their region: a recompute restores the RNG state, so it
 draws the same mask again) and before ``fuse``'s philox rewrite of the replicated dropouts.
 """
