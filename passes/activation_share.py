@@ -27,19 +27,13 @@ from dataclasses import dataclass
 import torch.fx as fx
 
 from autoshard.passes.shapes import val
-from autoshard.passes.weight_grad import parameter_of
-
-_MATMULS = ("linear", "mm", "addmm", "matmul")
+from autoshard.passes.weight_grad import _matmul_operands, parameter_of
 
 
 def _feeds_a_weight(n: fx.Node) -> bool:
     """Whether ``n`` is multiplied by a parameter (its gathered copy is what the matmul keeps under SP)."""
-    for u in n.users:
-        name = getattr(getattr(u.target, "overloadpacket", None), "__name__", "")
-        if u.op == "call_function" and name in _MATMULS and any(
-                parameter_of(a) is not None for a in u.args if isinstance(a, fx.Node) and a is not n):
-            return True
-    return False
+    return any((ops := _matmul_operands(u)) is not None and ops[0] is n and parameter_of(ops[1]) is not None
+               for u in n.users)
 
 
 @dataclass(frozen=True)

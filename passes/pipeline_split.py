@@ -415,10 +415,13 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             if plan is None:
                 raise first_error from e
             plan.schedule_choice += f" zb-v (2 stages a rank, in a V): not possible here ({str(e).split(':')[0]})."
-        else:
-            plan = vee if plan is None else choose_virtual(plan, vee, opts.memory_limit)
-            if plan is vee and not vee.schedule_choice:
-                vee.schedule_choice = f"schedule='auto' chose zb-v: on one stage a rank nothing fits ({first_error})"
+            vee = None
+        if vee is not None and plan is None:
+            vee.schedule_choice = (f"schedule='auto' chose zb-v: on one stage a rank nothing fits ({first_error}). "
+                                   + vee.schedule_choice)
+            plan = vee
+        elif vee is not None:
+            plan = choose_virtual(plan, vee, opts.memory_limit)
     for c in plan.stretches:
         for value in cands[c - 1].values:
             M.CUT.set(value, value.name)
@@ -448,14 +451,15 @@ def _stage_plan(gm, ctx, cm, name: str, v: int, cands, prefix, count, seg, whole
         cuts, how = [], "one stage"
     else:
         send = [0.0] + [cm.p2p_latency + c.nbytes / cm.p2p_bandwidth for c in cands] + [0.0]
-        cuts = balance(seg, stages, pp, validate(schedule), v, tp, None, send, schedule.rank_of)
+        in_flight = validate(schedule)
+        cuts, how = balance(seg, stages, pp, in_flight, v, tp, None, send, schedule.rank_of), "balanced"
+    costs, step, peak = predict(seg, cuts, schedule, tp, cm, cands)
+    if how == "balanced" and opts.memory_limit is not None and max(peak.values()) > opts.memory_limit:
         # the balancer gives each of a rank's v chunks an equal share of the limit: where the cuts it
         # finds without one fit as the simulator replays them, they stand (a V's heavy head chunk and a
         # light neighbour on one rank), else it cuts again within the shares
-        if opts.memory_limit is not None and max(predict(seg, cuts, schedule, tp, cm, cands)[2].values()) > opts.memory_limit:
-            cuts = balance(seg, stages, pp, validate(schedule), v, tp, opts.memory_limit, send, schedule.rank_of)
-        how = "balanced"
-    costs, step, peak = predict(seg, cuts, schedule, tp, cm, cands)
+        cuts = balance(seg, stages, pp, in_flight, v, tp, opts.memory_limit, send, schedule.rank_of)
+        costs, step, peak = predict(seg, cuts, schedule, tp, cm, cands)
     choice = ""
     if name == "auto" or name in SPLIT_SCHEDULES:   # generated or chosen on these stages' costs
         kept = kept_for_w(whole, [0] + list(cuts) + [len(seg.seconds)], tp)

@@ -72,13 +72,16 @@ def choose_virtual(first, vee, memory_limit):
     """The ``StagePlan`` to run: ``first`` (one stage a rank, its schedule chosen) or ``vee`` (ZB-V on its
     own cuts), the shorter predicted step within ``memory_limit`` (``first`` on a tie; where neither fits,
     the smaller peak), with the reason added to its ``schedule_choice``."""
+    def peak(plan):
+        return max(plan.predicted_peak_bytes.values())
+
     def fits(plan):
-        return memory_limit is None or max(plan.predicted_peak_bytes.values()) <= memory_limit
+        return memory_limit is None or peak(plan) <= memory_limit
     fitting = [p for p in (first, vee) if fits(p)]
     best = (min(fitting, key=lambda p: (p.predicted_step, p is vee)) if fitting      # neither fits: the smaller
-            else min((first, vee), key=lambda p: (max(p.predicted_peak_bytes.values()), p is vee)))
+            else min((first, vee), key=lambda p: (peak(p), p is vee)))
     said = (f"zb-v on its own {vee.num_stages} stages (two a rank, in a V) predicts {vee.predicted_step * 1e3:.3f} ms, "
-            f"peak {max(vee.predicted_peak_bytes.values()) / 2**20:.2f} MiB"
+            f"peak {peak(vee) / 2**20:.2f} MiB"
             + ("" if fits(vee) else f" (over memory_limit={memory_limit / 2**20:.2f} MiB)"))
     if best is vee:
         vee.schedule_choice = (f"schedule='auto' chose zb-v: {said}, the shortest predicted step"

@@ -88,16 +88,14 @@ def _spell_out(g: fx.Graph, n: fx.Node, a: dict, dim: int) -> None:
     root = math.sqrt(abs(scale))          # a negative scale: the root of its size, q negated (as ATen)
     grad = M.REQUIRES_GRAD.get(n, True)
 
-    def add(target, args, glob, loc, node_spec=spec, requires_grad=grad, kind=dtype):
-        return like_node(g.call_function(target, args), n, node_spec, glob, loc, requires_grad, kind)
+    def add(target, args, glob, loc, node_spec=spec, requires_grad=grad, kind=dtype, kwargs=None):
+        return like_node(g.call_function(target, args, kwargs), n, node_spec, glob, loc, requires_grad, kind)
 
     whole = DistSpec()        # the causal mask: every rank's whole
     with g.inserting_before(n):
         if dtype != given:
-            q, k, v = (add(aten._to_copy.default, (x,), M.GLOBAL_SHAPE.get(x), M.LOCAL_SHAPE.get(x), M.SPEC.get(x))
-                       for x in (q, k, v))
-            for x in (q, k, v):
-                x.kwargs = {"dtype": dtype}
+            q, k, v = (add(aten._to_copy.default, (x,), M.GLOBAL_SHAPE.get(x), M.LOCAL_SHAPE.get(x), M.SPEC.get(x),
+                           kwargs={"dtype": dtype}) for x in (q, k, v))
         qs = add(aten.mul.Tensor, (q, root if scale >= 0 else -root), qg, ql)
         kt = add(aten.transpose.int, (k, -2, -1), kg[:-2] + (kg[-1], kg[-2]), kl[:-2] + (kl[-1], kl[-2]))
         ks = add(aten.mul.Tensor, (kt, root), kg[:-2] + (kg[-1], kg[-2]), kl[:-2] + (kl[-1], kl[-2]))
@@ -105,8 +103,8 @@ def _spell_out(g: fx.Graph, n: fx.Node, a: dict, dim: int) -> None:
         mask = a["attn_mask"]
         if a["is_causal"]:
             square = (qg[-2], kg[-2])
-            ones = add(aten.ones.default, (list(square),), square, square, whole, False, torch.bool)
-            ones.kwargs = {"dtype": torch.bool, "device": torch.device("cpu")}    # on CUDA the call stays fused
+            ones = add(aten.ones.default, (list(square),), square, square, whole, False, torch.bool,
+                       kwargs={"dtype": torch.bool, "device": torch.device("cpu")})    # on CUDA the call stays fused
             mask = add(aten.tril.default, (ones,), square, square, whole, False, torch.bool)
         if mask is not None:
             mval = mask.meta.get("val")
@@ -122,7 +120,6 @@ def _spell_out(g: fx.Graph, n: fx.Node, a: dict, dim: int) -> None:
         out = add(aten.matmul.default, (dropped, v), M.GLOBAL_SHAPE.get(n), M.LOCAL_SHAPE.get(n), M.SPEC.get(n))
         if dtype != given:
             out = add(aten._to_copy.default, (out,), M.GLOBAL_SHAPE.get(n), M.LOCAL_SHAPE.get(n), M.SPEC.get(n),
-                      kind=given)
-            out.kwargs = {"dtype": given}
+                      kind=given, kwargs={"dtype": given})
     n.replace_all_uses_with(out)
     g.erase_node(n)

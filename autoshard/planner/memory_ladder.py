@@ -196,8 +196,10 @@ def rungs_for(tp: int, seq: int, recompute: str | None = None, sp: bool | None =
     if recompute is None:
         return [(r, sp) for r in ("none", "selective", "full")]
     if sp is None:
-        return [(recompute, False)] + ([(recompute, True), (recompute, "regather")] if sp_ok and recompute != "full"
-                                       else [(recompute, True)] if sp_ok else [])
+        if not sp_ok:
+            return [(recompute, False)]
+        regather = [] if recompute == "full" else [(recompute, "regather")]   # full keeps only layer inputs
+        return [(recompute, False), (recompute, True)] + regather
     return [(recompute, sp)]
 
 
