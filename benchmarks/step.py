@@ -213,6 +213,23 @@ def _gpu_models(args):
     return out
 
 
+def variant_options(variant: str) -> dict:
+    """``parallelize`` options of a variant named like ``"autoshard recompute=selective fuse=False"``: each
+    ``key=value`` after the name is an option (``False``/``True``/numbers read as such), a bare word is
+    ``word=True`` (``cuda_graphs``); the defaults are ``fuse="auto"`` and autoshard's own codegen."""
+    options = dict(fuse="auto")
+    for word in variant.split()[1:]:
+        key, _, value = word.partition("=")
+        if not value:
+            options[key] = True
+            continue
+        try:
+            options[key] = {"False": False, "True": True, "None": None}[value]
+        except KeyError:
+            options[key] = int(value) if value.isdigit() else value
+    return options
+
+
 def _flops_per_step(model, cfg_layers, hidden, seq, tokens) -> float:
     n = sum(p.numel() for p in model.parameters())
     return 6 * n * tokens + 12 * cfg_layers * hidden * seq * tokens
@@ -227,6 +244,8 @@ def gpu_step(args) -> list:
     peak = next((v for k, v in BF16_PEAK.items() if k in name), None)
     rows = []
     for label, (make, hf) in _gpu_models(args).items():
+        if args.models and label not in args.models:
+            continue
         torch.manual_seed(0)
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
         call = (lambda m: m(input_ids=ids, labels=ids, use_cache=False).loss) if hf else (lambda m: m(ids, ids)[1])
@@ -237,12 +256,9 @@ def gpu_step(args) -> list:
             model = make()
             flops = _flops_per_step(model, args.layers, args.hidden, args.seq, tokens)
             if variant.startswith("autoshard"):
-                fuse = "fuse=False" not in variant
-                codegen = "inductor" if "inductor" in variant else "autoshard"
                 example = dict(input_ids=ids, labels=ids, use_cache=False) if hf else None
                 pm = autoshard.parallelize(model, mesh, () if hf else (ids, ids), example, loss_only=True,
-                                           mixed_precision="bf16", fuse="auto" if fuse else False, codegen=codegen,
-                                           cuda_graphs="cuda_graphs" in variant)
+                                           mixed_precision="bf16", **variant_options(variant))
                 module, fwd = pm, (lambda pm=pm: call(pm))
             else:
                 model = model.to(device)
@@ -277,14 +293,41 @@ def gpu_step(args) -> list:
                       flops / (med / 1e3) / peak if peak else 0.0, torch.cuda.max_memory_allocated() / 2 ** 30, first)
             if args.profile:
                 row.notes = _profile(step)
+            if args.host_profile:
+                row.notes += _host_profile(step)
             rows.append(row)
         del variants
         torch.cuda.empty_cache()
     return rows
 
 
+def _host_profile(step, steps: int = 3, top: int = 10) -> list:
+    """Where the host's time goes: cProfile over ``steps`` steps (synchronized at the end), the ``top``
+    functions by their own time, ms a step. A step whose wall time exceeds its GPU busy time is the
+    host's: this names the Python or dispatch that keeps the GPU waiting (a ``synchronize`` or ``item``
+    high in the list is a sync that stops the host from running ahead)."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    total = sum(v[2] for v in stats.values()) / steps * 1e3
+    notes = [f"host: {total:.2f} ms/step of Python's own time in all functions"]
+    for (file, line, name), (_, calls, own, cum, _) in rows:
+        where = f"{os.path.basename(file)}:{line}({name})" if file != "~" else name
+        notes.append(f"host {where[:70]}: {own / steps * 1e3:.2f} ms/step own, {cum / steps * 1e3:.2f} cum, "
+                     f"{calls // steps} calls")
+    return notes
+
+
 def _profile(step) -> list:
-    """The step's top five GPU kernels by time, and every fp32 SIMT GEMM among all its kernels."""
+    """The step's GPU busy time and launches, its top eight kernels by time, and every fp32 SIMT GEMM."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
@@ -292,7 +335,10 @@ def _profile(step) -> list:
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: -e.device_time_total)
-    notes = [f"{e.key[:60]}: {e.device_time_total / 3e3:.2f} ms/step" for e in events[:5]]
+    busy = sum(e.device_time_total for e in events) / 3e3
+    launches = sum(e.count for e in events) / 3
+    notes = [f"GPU busy {busy:.2f} ms/step in {launches:.0f} kernels and copies a step"]
+    notes += [f"{e.key[:60]}: {e.device_time_total / 3e3:.2f} ms/step ({e.count // 3} a step)" for e in events[:8]]
     simt = [e.key for e in events if "simt" in e.key.lower() or "sgemm" in e.key.lower()]
     notes.append(f"fp32 SIMT GEMMs: {simt or 'none'}")
     return notes
@@ -338,7 +384,9 @@ def main(argv=None):
     p.add_argument("--variants", nargs="+", default=["eager", "torch.compile", "autoshard", "autoshard fuse=False",
                                                      "autoshard codegen=inductor",
                                                      "autoshard codegen=inductor cuda_graphs"])
+    p.add_argument("--models", nargs="+", default=None, choices=["gpt", "llama"], help="GPU: which models (default both)")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--host-profile", action="store_true", help="GPU: cProfile the host's side of the step")
     p.add_argument("--out", default=OUT)
     args = p.parse_args(argv)
     args.argv = argv

@@ -12,7 +12,8 @@ go through NCCL (one coalesced work per batch, a stream per group), and ``fuse="
 generated Triton kernels:
 
 - 1 GPU: pm.step with and without microbatches on the built-in GPT and an HF Llama (the device paths
-  and the Triton kernels), and ``codegen="inductor"`` (Inductor's Triton kernels);
+  and the Triton kernels), ``codegen="inductor"`` (Inductor's Triton kernels), and selective and full
+  recompute (checkpointed regions around generated kernels);
 - 2 GPUs: tp=2; pp=2 with 1F1B (clipping), interleaved and GPipe, a tied head across the stages; dp=2
   with ZeRO-1; an HF Llama at pp=2;
 - 4 GPUs: pp=2 x tp=2, dp=2 x pp=2 with ZeRO-1, dp=2 x tp=2, pp=4 interleaved, an HF Llama at
@@ -38,7 +39,9 @@ CONFIGS = {
         ("gpt", dict(tp=1), dict(microbatches=2), GPT),
         ("family", dict(tp=1), dict(microbatches=2), LLAMA),
         ("gpt", dict(tp=1), dict(microbatches=2, codegen="inductor"), GPT),
-        ("gpt", dict(tp=1), dict(microbatches=2, codegen="inductor", cuda_graphs=True), GPT)],
+        ("gpt", dict(tp=1), dict(microbatches=2, codegen="inductor", cuda_graphs=True), GPT),
+        ("gpt", dict(tp=1), dict(microbatches=2, recompute="selective"), GPT),
+        ("gpt", dict(tp=1), dict(microbatches=2, recompute=True), GPT)],
     2: [("gpt", dict(tp=2), dict(microbatches=2), GPT),
         ("gpt", dict(pp=2), dict(microbatches=4, schedule="1f1b", clip=0.05), GPT),
         ("gpt", dict(pp=2), dict(microbatches=4, schedule="interleaved", virtual_stages=2), GPT),

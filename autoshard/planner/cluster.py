@@ -103,7 +103,7 @@ class Cluster:
                   + [(sizes[0], sizes[0], sizes[0] // 2)])
         rates = [(shape, _gemm_rate(shape, dtype, device, repeats)) for shape in shapes]
         overhead = _launch_overhead(device, repeats) if cuda else _op_overhead(repeats)
-        peak, half, top = _fit_gemm(rates, floor=overhead if cuda else 0.0)
+        peak, half, top = _fit_gemm(rates, min_seconds=KERNEL_FIXED_SECONDS if cuda else 0.0)
         hbm_bw = _copy_rate(device, repeats)
         transcendental = math.inf if cuda else _transcendental_rate(repeats)
         if cuda:
@@ -201,23 +201,56 @@ def _timed(fn, device, repeats: int, at_least: float = 0.05) -> float:
     return sorted(seconds)[len(seconds) // 2]
 
 
+# A GPU kernel shorter than this measures its fixed start-up and tail, not its throughput: the planner
+# prices those per op (``op_overhead``), so such GEMMs stay out of the efficiency curve's fit
+KERNEL_FIXED_SECONDS = 10e-6
+
+
 def _gemm_rate(shape, dtype, device, repeats) -> float:
     m, n, k = shape
     a = torch.randn(m, k, dtype=dtype, device=device)
     b = torch.randn(k, n, dtype=dtype, device=device)
-    return 2.0 * m * n * k / max(_timed(lambda: a @ b, device, repeats), 1e-12)
+    timer = _device_seconds if device.type == "cuda" else _timed
+    return 2.0 * m * n * k / max(timer(lambda: a @ b, device, repeats), 1e-12)
 
 
-def _fit_gemm(rates, floor: float = 0.0) -> tuple:
+def _device_seconds(fn, device, repeats: int, calls: int = 16) -> float:
+    """Seconds of one ``fn()`` on the GPU alone: ``calls`` of it captured in a CUDA graph, replayed and
+    timed with events (the median of ``repeats``). Timed from the host back to back, a GEMM up to about
+    1024 cubed measures the host's launch, not the device (an H100's 1024-cube GEMM ran at 110-140
+    TFLOP/s that way), and how much of it depended on the host's speed that day: one session's fit
+    read 733 TFLOP/s peak, the next one's 2956 from the same GEMMs, whose 1024 cube crossed the
+    launch-bound threshold by 1 us."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):          # warm up (cuBLAS picks its kernel) outside the capture
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    seconds = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3 / calls)
+    return sorted(seconds)[len(seconds) // 2]
+
+
+def _fit_gemm(rates, min_seconds: float = 0.0) -> tuple:
     """(peak, half_dim, max_efficiency) of ``rate = peak * prod(x / (x + half))``, fitted in log space
     (each half dim's best peak is the geometric mean of rate / curve; the half dim with the least
     squared log error wins). A measured cluster's peak is the rate its GEMMs tend to: efficiency 1.
 
-    ``floor``: seconds an op costs the host to launch. A GEMM that takes under twice that measures the
-    launch, not the device (on an H100 a 1024-cube GEMM timed back to back ran at 140 TFLOP/s, a
-    2048-cube one at 673), so it is left out of the fit (the largest three always stay in)."""
+    ``min_seconds``: a GEMM faster than this measures fixed costs, not throughput
+    (``KERNEL_FIXED_SECONDS`` on a GPU), so it is left out of the fit (the largest three always stay in)."""
     timed = sorted(rates, key=lambda sr: 2.0 * math.prod(sr[0]) / sr[1])
-    kept = [sr for sr in timed if 2.0 * math.prod(sr[0]) / sr[1] >= 2 * floor]
+    kept = [sr for sr in timed if 2.0 * math.prod(sr[0]) / sr[1] >= min_seconds]
     rates = kept if len(kept) >= 3 else timed[-3:]
     best = None
     for half in (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096):   # a GPU's half dim is in the hundreds

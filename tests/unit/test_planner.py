@@ -88,12 +88,12 @@ def test_a_device_that_runs_ahead_hides_the_hosts_overhead():
 
 
 def test_the_gemm_fit_leaves_out_launch_bound_sizes():
-    """A GEMM timed faster than twice the host's launch cost measures the launch: the fit of a GPU's
-    curve keeps the rest (an H100's own rates, TFLOP/s by cube size, 256 to 8192)."""
+    """A GEMM faster than ``min_seconds`` measures fixed costs (here the host's launch: an H100's own
+    rates timed back to back, TFLOP/s by cube size, 256 to 8192): the fit of a GPU's curve keeps the rest."""
     from autoshard.planner.cluster import _fit_gemm
     measured = {256: 2.3, 512: 18.0, 1024: 140.0, 2048: 673.1, 4096: 712.2, 8192: 713.1}
     rates = [((n, n, n), r * 1e12) for n, r in measured.items()]
-    peak, half, _ = _fit_gemm(rates, floor=15e-6)
+    peak, half, _ = _fit_gemm(rates, min_seconds=20e-6)
     assert 700e12 < peak < 800e12 and half <= 64
     naive, _, _ = _fit_gemm(rates)              # the launch-bound points drag a floor-blind fit far off
     assert not 600e12 < naive < 900e12
