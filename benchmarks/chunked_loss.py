@@ -124,7 +124,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=OUT)
     args = ap.parse_args(argv)
     from autoshard.passes.chunk_loss import default_chunk
-    auto = default_chunk(args.rows, args.vocab, args.hidden)
+    auto = default_chunk(args.rows, args.vocab, args.hidden, gpu=args.device.startswith("cuda"))
     chunks = list(dict.fromkeys(auto if c == "auto" else int(c) for c in args.chunk))
     if args.kernel:
         chunks += [f"{c}+kernel" for c in chunks]

@@ -27,7 +27,10 @@ class Recompute(nn.Module):
     def forward(self, *args):
         if not torch.is_grad_enabled():
             return self.region(*args)
-        return checkpoint(self.region, *args, use_reentrant=False, preserve_rng_state=True)
+        # the generated ``forward`` itself, not the module's call: non-reentrant checkpoint stops the
+        # recompute early by raising, and a GraphModule's call turns every exception that passes through
+        # it into a stack summary first (file reads included), once per region and step
+        return checkpoint(self.region.forward, *args, use_reentrant=False, preserve_rng_state=True)
 
     def extra_repr(self):
         return f"region {self.index}"

@@ -109,6 +109,19 @@ def test_default_chunk_follows_liger_with_a_floor():
     assert default_chunk(100, 50304, 768) == 100            # never more than the rows
 
 
+def test_default_chunk_on_a_gpu_gives_each_chunk_enough_gemm_work():
+    """On a GPU a chunk must outlast the host's cost of launching it: at V=32000, H=1024 Liger's 256 rows
+    (0.05 TFLOP a chunk) left an H100 waiting, 2048 (0.4 TFLOP) did not; a large vocab keeps Liger's rule,
+    and a chunk's fp32 logits stay within GPU_MAX_CHUNK_BYTES."""
+    from autoshard.passes.chunk_loss import GPU_MAX_CHUNK_BYTES, GPU_MIN_CHUNK_FLOPS
+    assert default_chunk(8192, 32000, 1024) == 256                      # CPU: Liger's rule
+    assert default_chunk(8192, 32000, 1024, gpu=True) == 2048
+    assert 6 * 2048 * 32000 * 1024 >= GPU_MIN_CHUNK_FLOPS > 6 * 1024 * 32000 * 1024
+    assert default_chunk(8192, 128256, 4096, gpu=True) == 256           # Llama 3's head: Liger's rule is busy enough
+    assert default_chunk(65536, 8192, 256, gpu=True) * 8192 * 4 <= GPU_MAX_CHUNK_BYTES
+    assert default_chunk(1000, 32000, 1024, gpu=True) == 1000           # never more than the rows
+
+
 def _pp_rank(rank, world, chunk):
     from autoshard.models.gpt import GPT, GPTConfig
     torch.manual_seed(0)
