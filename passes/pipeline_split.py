@@ -367,7 +367,7 @@ def predict(seg: Segments, cuts: list, schedule, tp: int, cm, cands: list, whole
     split = 1 + (cm.weight_split_overhead if schedule.split else 0.0)    # B + W cost more than a whole backward
     sim = simulate(add_communication(schedule),
                    Costs.of_stages(costs, cm.p2p_latency + boundary_bytes / cm.p2p_bandwidth,
-                                   kept_for_w(whole or seg, edges, tp), split))
+                                   kept_for_w(whole or seg, edges, tp), split, cm.action_overhead, cm.send_blocking))
     peak = {r: sim.peak_activation_bytes[r] + sum(costs[s].param_bytes for s in schedule.stages_of(r))
             for r in range(schedule.pp)}
     return costs, sim.step_time, peak

@@ -81,10 +81,19 @@ class CostModel:
     p2p_latency: float = 20e-6        # s per boundary send
     op_overhead: float = 5e-6         # s per op on top of its flops or bytes (a kernel launch; Python on CPU)
     transcendental_rate: float = 1e12  # elements/s of exp/log/tanh-class ops (softmax, GeLU, the loss)
-    # what splitting a backward into B and W (zero-bubble) adds to it: W reads each matmul's input and
-    # output gradient again, after other work evicted them from cache. Unmeasured on GPUs (0); on a CPU
-    # core a 4-layer GPT stage's backward measured 6.5 ms whole against 4.4 + 3.9 ms split
+    # what splitting a backward into B and W (zero-bubble) adds to it beyond W's own action: W reads each
+    # matmul's input and output gradient again, after other work evicted them from cache. Unmeasured on
+    # GPUs (0); on a CPU core ZB-H1's B + W measured 6.14 + 1.87 ms against 1F1B's whole 7.63 on the same
+    # 4-layer stages (benchmarks/results/zero_bubble.md), 0.38 ms more: one more action (action_overhead,
+    # below) and 2.5% (an earlier runtime's 6.5 ms against 4.4 + 3.9 had read 25%)
     weight_split_overhead: float = 0.0
+    # the pipeline runtime's own time: per compute action (F, B or W: a stage program's call, its autograd
+    # and the executor's bookkeeping) and per boundary send that holds its rank. Unmeasured on GPUs (0: NCCL
+    # sends run on their own stream). On the CI host ZB-V (24 more actions and 8 more sends a step than
+    # ZB-H1 at pp=2, m=8) kept each rank busy 6 ms longer on the same layers, and a 64 KiB gloo send held
+    # its rank 170-200 us inside a step (benchmarks/results/zero_bubble.md): (6 - 8 x 0.18) / 24 = 0.19 ms
+    action_overhead: float = 0.0
+    send_blocking: float = 0.0
 
     @staticmethod
     def cpu() -> "CostModel":
@@ -95,7 +104,8 @@ class CostModel:
         prices with when no GPU is present and no cost model was given; the tp planner keeps the GPU
         constants (its plan does not depend on the machine, only on ratios that are the same)."""
         return CostModel(flops=100e9, memory_bandwidth=6e9, p2p_bandwidth=2e9, p2p_latency=100e-6,
-                         op_overhead=8e-6, transcendental_rate=3e8, weight_split_overhead=0.25)
+                         op_overhead=8e-6, transcendental_rate=3e8, weight_split_overhead=0.025,
+                         action_overhead=190e-6, send_blocking=180e-6)
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "auto")

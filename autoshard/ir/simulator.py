@@ -4,9 +4,12 @@ The simulator replays the same per-rank action lists the executor runs (``autosh
 rank executes its list in order, and an action starts once its rank is free and the actions it depends on
 (``schedule.dependencies``: the previous stage's forward, the next stage's backward, or the matching
 send) have finished, plus ``p2p`` seconds when the value crosses ranks. There is no contention model:
-transfers overlap compute (a separate stream) and a SEND costs its rank nothing. So for equal stage
-costs the result is the textbook pipeline, and ``tests/unit/test_schedule.py`` checks the closed forms of
-Narayanan et al. (SC'21) exactly.
+transfers overlap compute (a separate stream). Two runtime costs are off by default: ``overhead``, what
+the runtime spends on each compute action beyond its stage's work, and ``send``, how long a SEND holds
+its rank (a lowered schedule's; gloo's send returns once the kernel has taken the bytes). Without them,
+for equal stage costs the result is the textbook pipeline, and ``tests/unit/test_schedule.py`` checks
+the closed forms of Narayanan et al. (SC'21) exactly. With them, a schedule of more actions and more
+transfers (ZB-V: two chunks a rank, four sends a microbatch where 1F1B has two) pays for them.
 
 Times are whatever number type the costs use: pass ``fractions.Fraction`` (or ints) for exact
 arithmetic. Pure Python: no torch, no processes, nothing from the compiler.
@@ -34,6 +37,8 @@ class Costs:
     p2p: float = 0
     weight: tuple | None = None
     kept_bytes: tuple | None = None     # a split schedule: what B keeps for W (None: W_MEMORY of the activations)
+    overhead: float = 0                 # seconds each compute action costs its rank beyond its work
+    send: float = 0                     # seconds a SEND holds its rank
 
     def w(self, stage: int):
         return self.weight[stage] if self.weight is not None else self.backward[stage] / 2
@@ -42,11 +47,12 @@ class Costs:
         return self.kept_bytes[stage] if self.kept_bytes is not None else W_MEMORY * self.activation_bytes[stage]
 
     @staticmethod
-    def of_stages(stages, p2p=0, kept_bytes=None, backward_scale=1) -> Costs:
+    def of_stages(stages, p2p=0, kept_bytes=None, backward_scale=1, overhead=0, send=0) -> Costs:
         """From per-stage records with ``forward_seconds``, ``backward_seconds`` and ``activation_bytes``
         (the balancer's ``StageCost``); ``backward_scale`` prices a split backward's extra pass."""
         return Costs(tuple(c.forward_seconds for c in stages), tuple(c.backward_seconds * backward_scale for c in stages),
-                     tuple(c.activation_bytes for c in stages), p2p, kept_bytes=kept_bytes)
+                     tuple(c.activation_bytes for c in stages), p2p, kept_bytes=kept_bytes, overhead=overhead,
+                     send=send)
 
     @staticmethod
     def uniform(num_stages: int, forward, backward, activation_bytes: int = 0, p2p=0) -> Costs:
@@ -61,7 +67,8 @@ class Costs:
 
 @dataclass(frozen=True)
 class Span:
-    """When one action ran. A RECV spans the time its rank waited for the data; a SEND is instant."""
+    """When one action ran. A RECV spans the time its rank waited for the data; a SEND holds its rank
+    ``Costs.send`` (none by default)."""
     action: Action
     start: float
     end: float
@@ -169,13 +176,18 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
             duration = costs.backward[action.stage] - (costs.w(action.stage) if split else 0)
         elif action.kind is Kind.W:
             duration = costs.w(action.stage)
+        elif action.kind in (Kind.SEND_F, Kind.SEND_B):
+            duration = costs.send
         else:
             duration = 0
+        if duration and action.is_compute:      # a free action (an empty stage's) stays free
+            duration += costs.overhead
         start = clock[r] if action.kind in (Kind.RECV_F, Kind.RECV_B) else ready
         end[action] = ready + duration
         spans[r].append(Span(action, start, end[action]))
         clock[r] = end[action]
-        busy[r] += duration
+        if action.is_compute:
+            busy[r] += duration
     peak = {}
     for r, rank_spans in spans.items():
         held = most = 0

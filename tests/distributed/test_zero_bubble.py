@@ -19,7 +19,7 @@ ZB = dict(microbatches=4, schedule="zb-h1")
 ZBV = dict(microbatches=4, schedule="zb-v")     # two stages a rank in a V: 4 stages on 2 ranks
 # priced with a free split of backward (a GPU's), "auto" chooses ZB-V on its own 4 stages
 # (tests/unit/test_zero_bubble.py); then pm.eval_batch compiles on the same V
-NO_SPLIT_COST = dataclasses.replace(CostModel.cpu(), weight_split_overhead=0.0)
+NO_SPLIT_COST = dataclasses.replace(CostModel.cpu(), weight_split_overhead=0.0, action_overhead=0.0, send_blocking=0.0)
 
 TWO_RANKS = [
     ("gpt", dict(pp=2), ZB, GPT),

@@ -148,6 +148,30 @@ def test_lowered_and_compute_only_simulate_the_same(gen, pp, m, v):
                 == [(x.action, x.start, x.end) for x in lowered.spans[r] if x.action.is_compute])
 
 
+def test_runtime_overhead_is_an_inflated_action_and_a_send_holds_its_rank():
+    """``Costs.overhead`` is the same as every compute action's work grown by it (counted as busy);
+    ``Costs.send`` holds a lowered schedule's sending rank (not counted as busy), so a schedule sending
+    twice as often (ZB-V: two chunks a rank) pays twice."""
+    import dataclasses
+    from autoshard.ir.zero_bubble import zero_bubble_h1, zero_bubble_v
+    pp, m, o, send = 2, 8, Fraction(1, 4), Fraction(1, 10)
+    s = add_communication(one_f_one_b(pp, m))
+    inflated = Costs.uniform(pp, Fraction(1) + o, Fraction(2) + o, 0, Fraction(1, 10))
+    with_overhead = dataclasses.replace(unit_costs(s, p2p=Fraction(1, 10)), overhead=o)
+    a, b = simulate(s, with_overhead), simulate(s, inflated)
+    assert a.step_time == b.step_time and a.busy == b.busy
+    held = simulate(s, dataclasses.replace(with_overhead, send=send))
+    assert held.busy == a.busy and held.step_time > a.step_time
+    sends = {r: sum(x.action.kind in (Kind.SEND_F, Kind.SEND_B) for x in held.spans[r]) for r in range(pp)}
+    assert sends == {0: m, 1: m}                  # 1F1B at pp=2: one send a microbatch per rank
+    zv = add_communication(zero_bubble_v(pp, m))
+    v_sends = {r: sum(a.kind in (Kind.SEND_F, Kind.SEND_B) for a in zv.actions[r]) for r in range(pp)}
+    assert v_sends == {0: 2 * m, 1: 2 * m}        # ZB-V: two
+    h1 = zero_bubble_h1(pp, m)
+    computes = sum(a.is_compute for acts in zv.actions.values() for a in acts)
+    assert computes == 2 * sum(map(len, h1.actions.values()))     # and twice ZB-H1's actions
+
+
 def test_interleaved_bad_arguments_name_the_fix():
     with pytest.raises(ValueError, match=r"multiple of pp=4, got m=6: use m in 4, 8, 12, .*nearest: 4 or 8"):
         interleaved_1f1b(4, 6, 2)
