@@ -26,7 +26,7 @@ def table(plans: Plans) -> str:
 
 
 def _row(rank: str, p: Plan) -> str:
-    return (f"| {rank} | {p.dp} | {p.pp} | {p.tp} | {'yes' if p.sp else 'no'} | {p.b} | {p.m} | {p.v} | {p.recompute} | {p.zero} | "
+    return (f"| {rank} | {p.dp} | {p.pp} | {p.tp} | {'regathered' if p.sp == 'regather' else 'yes' if p.sp else 'no'} | {p.b} | {p.m} | {p.v} | {p.recompute} | {p.zero} | "
             f"{p.step_seconds:.3f} | {p.tflops_per_gpu:.1f} | {p.memory_bytes / GiB:.1f} | {p.why} |")
 
 

@@ -262,6 +262,27 @@ def test_selective_recompute_sits_between_none_and_full():
         shape.seq * shape.hidden * (10 + 24 / 8))
 
 
+def test_regathered_sequence_parallelism_is_searched_between_sp_and_recompute():
+    """``sp="regather"`` keeps the two column-parallel inputs as sequence shards: 4 s b h (1 - 1/t) fewer
+    bytes a layer than SP kept gathered, for one more all-gather of each in backward; the search prices
+    it beside SP (not under full recompute, which keeps only layer inputs) and a plan that chose it
+    trains with ``sequence_parallel="regather"``."""
+    shape = BUILTIN["gpt-18b"]
+    t = 8
+    q = {sp: predict(shape, DGX_A100, Candidate(dp=1, pp=4, tp=t, b=1, m=8, sp=sp)) for sp in (True, "regather")}
+    saved = q[True].memory.activations - q["regather"].memory.activations
+    layers = shape.layers // 4
+    in_flight_layers = saved / (4 * shape.seq * shape.hidden * (1 - 1 / t))
+    assert in_flight_layers == pytest.approx(round(in_flight_layers)) and in_flight_layers % layers == 0
+    assert q["regather"].step_seconds > q[True].step_seconds
+    plans = plan(shape, 256, "dgx-a100", 512, top=10_000)
+    every = plans.ranked + plans.too_big
+    regathered = [p for p in every if p.sp == "regather"]
+    assert regathered and all(p.tp > 1 and p.recompute != "full" for p in regathered)
+    assert regathered[0].parallelize_options()["sequence_parallel"] == "regather"
+    assert "sp=regather" in regathered[0].label()
+
+
 def test_links_follow_the_mesh_init_mesh_builds():
     """``init_mesh`` lays ranks out as (dp, pp, tp), tp fastest: on 8-GPU nodes a pp group of tp=2 x pp=4
     stays in a node (its sends on NVLink) while the dp replicas, 8 ranks apart, cross nodes."""
