@@ -3,8 +3,8 @@
     python -m benchmarks.pp_zero_bubble [--pp 2] [--m 8] [--steps 6] [--out benchmarks/results]
 
 One job of ``--pp`` (2) gloo ranks (NCCL on GPUs) trains the built-in GPT (8 layers, untied head, the same
-weights everywhere) nine ways: autoshard's ``schedule="1f1b"``, ``"zb-h1"`` and ``"zb-v"`` (2p stages,
-two a rank in a V) on torch's layer cuts, the same three on autoshard's own cost-balanced cuts (which may
+weights everywhere) many ways: autoshard's ``schedule="1f1b"``, ``"zb-h1"``, ``"zb-h2"`` and ``"zb-v"`` (2p stages,
+two a rank in a V) on torch's layer cuts, the same four and ``"auto"`` on autoshard's own cost-balanced cuts (which may
 fall inside a layer, so the LM head's stage takes fewer layers), and torch's ``Schedule1F1B``,
 ``ScheduleInterleavedZeroBubble`` (ZB1P, one stage a rank) and ``ScheduleZBVZeroBubble`` (on ZB-V's 2p
 stages). The losses must agree first; then they are timed in turn, step after step (A B C ... A B C
@@ -38,8 +38,8 @@ from autoshard.runtime.comm import collective_device
 from benchmarks.pp import OUT, LiveSaved, _batch, _gpt, _timed_step, loss_rtol
 
 
-OWN_CUTS = ("1f1b own cuts", "zb-h1 own cuts", "zb-v own cuts")
-ROWS = ("1f1b", "zb-h1", "zb-v") + OWN_CUTS + ("torch 1f1b", "torch zb", "torch zbv")
+OWN_CUTS = ("1f1b own cuts", "zb-h1 own cuts", "zb-h2 own cuts", "zb-v own cuts", "auto own cuts")
+ROWS = ("1f1b", "zb-h1", "zb-h2", "zb-v") + OWN_CUTS + ("torch 1f1b", "torch zb", "torch zbv")
 
 
 def _means(timeline, stage=None) -> dict:
@@ -75,7 +75,7 @@ def _rank(rank, world, job):
     vcuts = [layers * k // (2 * pp) for k in range(1, 2 * pp)]       # ZB-V: 2p stages, two a rank
     ours = {name: autoshard.parallelize(copy.deepcopy(model), mesh, (x, y), microbatches=m, schedule=name,
                                         pipeline_cuts=vcuts if name == "zb-v" else cuts)
-            for name in ("1f1b", "zb-h1", "zb-v")}
+            for name in ("1f1b", "zb-h1", "zb-h2", "zb-v")}
     for name in OWN_CUTS:      # autoshard's cost-balanced cuts (a cut may fall inside a layer)
         ours[name] = autoshard.parallelize(copy.deepcopy(model), mesh, (x, y), microbatches=m,
                                            schedule=name.split()[0])
@@ -147,6 +147,7 @@ def _rank(rank, world, job):
                 stage_kinds={name: [{c: statistics.mean(d[s][c] for d in v) for c in ("F", "B", "W")}
                                     for s in range(ours[name].schedule.num_stages)] for name, v in stages.items()},
                 own_cuts={name: ours[name].program.plan.boundaries for name in OWN_CUTS},
+                auto=ours["auto own cuts"].schedule.name,
                 kinds={k: {c: statistics.mean(d[c] for d in v) for c in ("F", "B", "W")} for k, v in kinds.items()},
                 peak={k: float(v) for k, v in top.items()}, svgs=svgs)
 
@@ -198,8 +199,10 @@ def markdown(res: dict, job: dict, pp: int = 2) -> str:
               "and W: the closed form assumes equal stages, so the replay's gap to it is the stages' imbalance, "
               "and the measured bubble's gap to the replay is the runtime's.",
               f"Peak saved activations, ZB-H1 over 1F1B: {pk['zb-h1'] / pk['1f1b']:.3f} (on autoshard's own cuts "
-              f"{pk['zb-h1 own cuts'] / pk['1f1b own cuts']:.3f}); ZB-V over 1F1B: {pk['zb-v'] / pk['1f1b']:.3f}. ZB-V runs 2p stages (two a rank, in a V) on the same layers; its "
-              "ideal bubble is about 0 (the paper's, with F = B = W).", ""]
+              f"{pk['zb-h1 own cuts'] / pk['1f1b own cuts']:.3f}); ZB-H2 over 1F1B: {pk['zb-h2'] / pk['1f1b']:.3f}; "
+              f"ZB-V over 1F1B: {pk['zb-v'] / pk['1f1b']:.3f}. ZB-V runs 2p stages (two a rank, in a V) on the same layers; its "
+              "ideal bubble is about 0 (the paper's, with F = B = W).",
+              f"`schedule=\"auto\"` (no memory_limit, so ZB-H2 not tried) chose {res['auto']} on its own cuts.", ""]
     for name, path in res["svgs"].items():
         lines.append(f"![{name} measured]({path})")
     return "\n".join(lines) + "\n"

@@ -40,6 +40,7 @@ from autoshard.passes.shapes import shape_of, val
 from autoshard.ir.simulator import Costs, simulate
 from autoshard.passes.schedule_auto import choose_schedule, choose_virtual, price_schedule, tries_the_v
 from autoshard.passes.activation_share import ActivationShare, activation_share
+from autoshard.passes.weight_grad import _matmul_operands, parameter_of
 
 ADAM_BYTES_PER_PARAM_BYTE = 4      # the parameter, its gradient, and AdamW's two moments
 _MATMULS = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "scaled_dot_product_attention"}
@@ -197,6 +198,7 @@ class Segments:
     activation_bytes: list
     layers: list              # set of layer indices per stretch
     recompute: list = None    # forward seconds each stretch's backward runs again (activation recompute)
+    weight: list = None       # seconds of each stretch's weight gradients (a split schedule's W)
 
     def priced_as(self, chunk: int, rank_of=None) -> "Segments":
         """The prices chunk ``chunk`` pays (the same for every chunk; see ``PerRankRecompute``)."""
@@ -207,14 +209,15 @@ class Segments:
         pbytes = sum(b // (tp if nd >= 2 else 1) for _, b, nd in params) * ADAM_BYTES_PER_PARAM_BYTE
         layers = sorted(set().union(*self.layers[i:j]))
         return StageCost(sum(self.seconds[i:j]), sum(self.flops[i:j]), pbytes,
-                         sum(self.activation_bytes[i:j]), tuple(layers), sum((self.recompute or [])[i:j]))
+                         sum(self.activation_bytes[i:j]), tuple(layers), sum((self.recompute or [])[i:j]),
+                         sum((self.weight or [])[i:j]))
 
     def with_recompute(self, cands: list, share: ActivationShare = ActivationShare()) -> "Segments":
         """As ``passes/recompute.py`` will run it: a stretch inside one layer keeps only the input of its
         layer's first stretch (a rank's ``share`` of it: a sequence shard under SP), and its backward runs
         its forward again."""
         seg = Segments(list(self.seconds), list(self.flops), self.params, list(self.activation_bytes),
-                       self.layers, [0.0] * len(self.seconds))
+                       self.layers, [0.0] * len(self.seconds), self.weight)
         for k, layers in enumerate(self.layers):
             if len(layers) != 1:
                 continue
@@ -248,20 +251,26 @@ class PerRankRecompute:
 
 
 def price(gm: fx.GraphModule, act: set, cands: list, cm, prefix, share: ActivationShare = ActivationShare()) -> Segments:
-    """Each stretch's forward seconds, flops, parameters, layers, and the activation bytes one rank keeps of
+    """Each stretch's forward seconds, flops, parameters, layers, the activation bytes one rank keeps of
     what its forward saves (``share``: the tp shard of each saved value, and what selective recompute
-    drops)."""
+    drops), and its weight gradients' seconds: a matmul by a parameter's forward again (dW = x^T dy has
+    its flops), all the W of a split backward; the rest of the backward (about twice the forward) is B.
+    W so is less than half the backward wherever the ops between the matmuls weigh: on the CI host a
+    4-layer GPT stage measured B 6.14 and W 1.87 ms (``benchmarks/results/zero_bubble.md``)."""
     ends = [c.position for c in cands] + [len(gm.graph.nodes)]
     k = 0
     seg = Segments([0.0] * len(ends), [0.0] * len(ends), [set() for _ in ends], [0] * len(ends),
-                   [set() for _ in ends])
+                   [set() for _ in ends], weight=[0.0] * len(ends))
     for i, n in enumerate(gm.graph.nodes):
         while i > ends[k]:
             k += 1
         if n not in act:
             continue
-        seg.seconds[k] += node_seconds(n, cm)
+        seconds = node_seconds(n, cm)
+        seg.seconds[k] += seconds
         seg.flops[k] += flops(n, shape_of) if n.op == "call_function" else 0
+        if (operands := _matmul_operands(n)) is not None and parameter_of(operands[1]) is not None:
+            seg.weight[k] += seconds
         if saved_for_backward(n):
             seg.activation_bytes[k] += share.kept(n, _nbytes(val(n)))
         layer = layer_of(n, prefix)

@@ -3,7 +3,9 @@
 Once the stages are cut, each candidate schedule is generated on their costs and replayed by the
 simulator (``ir/simulator.py``): the step time, and per rank the parameters plus the activations the
 schedule keeps in flight. The fastest within ``memory_limit`` wins; ``pipeline.md`` says what each
-candidate predicted and why the winner won. On one stage a rank the candidates are 1F1B and ZB-H1;
+candidate predicted and why the winner won. On one stage a rank the candidates are 1F1B and ZB-H1, and
+ZB-H2 where a ``memory_limit`` is given (it holds about twice 1F1B's activations: without a limit to
+check, a step faster by a few percent is not worth an out-of-memory);
 then ZB-V, two stages a rank in a V, is cut into its own 2p stages (balanced for the V) and priced the
 same way, and wins if it predicts a shorter step within the limit (``choose_virtual``). Only 1F1B where
 a split backward cannot run (``codegen="inductor"``); the interleaved 1F1B is chosen by
@@ -18,6 +20,7 @@ from autoshard.ir.schedule import PLACEMENTS, Schedule, make_schedule
 from autoshard.ir.simulator import Costs
 
 CANDIDATES = ("1f1b", "zb-h1")
+UNDER_A_LIMIT = ("zb-h2",)      # about twice 1F1B's activations: tried only where memory_limit can check it fits
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,8 @@ def choose_schedule(predict, cuts, pp: int, m: int, first_costs: list, memory_li
                     kept: tuple | None = None) -> tuple:
     """``(Priced winner, reason)``: each candidate priced on the cuts (``price_schedule``); ``first_costs`` are the stages'
     costs the balancer gave for 1F1B."""
-    names = CANDIDATES if resolved_codegen(codegen) != "inductor" else ("1f1b",)
+    names = CANDIDATES + (UNDER_A_LIMIT if memory_limit is not None else ())
+    names = names if resolved_codegen(codegen) != "inductor" else ("1f1b",)
     priced = [price_schedule(name, predict, cuts, pp, m, first_costs, memory_limit, kept) for name in names]
     fitting = [p for p in priced if p.fits] or priced      # none fits: the balancer has said so already
     best = min(fitting, key=lambda p: (p.step, names.index(p.name)))

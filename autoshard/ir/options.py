@@ -108,7 +108,7 @@ class CostModel:
                          action_overhead=190e-6, send_blocking=180e-6)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "auto")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v", "auto")
 CODEGENS = ("auto", "autoshard", "inductor")
 
 

@@ -28,6 +28,8 @@ class StageCost:
     activation_bytes: float   # what one microbatch's forward keeps for its backward, on one rank (a tp share)
     layers: tuple = ()        # the layer indices (of the model's repeated block) it holds
     recompute_seconds: float = 0.0   # the forward its backward runs again (activation recompute)
+    weight_seconds: float = 0.0      # of the backward, the weight gradients of its matmuls by a parameter:
+                                     # a split schedule's W (B is the rest; 0: not priced, B = W)
 
     @property
     def backward_seconds(self) -> float:

@@ -49,10 +49,12 @@ class Costs:
     @staticmethod
     def of_stages(stages, p2p=0, kept_bytes=None, backward_scale=1, overhead=0, send=0) -> Costs:
         """From per-stage records with ``forward_seconds``, ``backward_seconds`` and ``activation_bytes``
-        (the balancer's ``StageCost``); ``backward_scale`` prices a split backward's extra pass."""
+        (the balancer's ``StageCost``), and ``weight_seconds`` where priced (a split schedule's W; else
+        half the backward); ``backward_scale`` prices a split backward's extra pass."""
+        priced = any(getattr(c, "weight_seconds", 0) for c in stages)
+        weight = tuple(c.weight_seconds * backward_scale for c in stages) if priced else None
         return Costs(tuple(c.forward_seconds for c in stages), tuple(c.backward_seconds * backward_scale for c in stages),
-                     tuple(c.activation_bytes for c in stages), p2p, kept_bytes=kept_bytes, overhead=overhead,
-                     send=send)
+                     tuple(c.activation_bytes for c in stages), p2p, weight, kept_bytes, overhead, send)
 
     @staticmethod
     def uniform(num_stages: int, forward, backward, activation_bytes: int = 0, p2p=0) -> Costs:

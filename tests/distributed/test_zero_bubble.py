@@ -1,4 +1,4 @@
-"""Zero-bubble pipelines (``schedule="zb-h1"`` and ``"zb-v"``) on gloo ranks: each stage's backward runs as B (the input
+"""Zero-bubble pipelines (``schedule="zb-h1"``, ``"zb-h2"`` and ``"zb-v"``) on gloo ranks: each stage's backward runs as B (the input
 gradient) and W (the matmuls' weight gradients, ``passes/weight_grad.py``), and ``pm.step`` must still
 match the single-device model on the whole batch: the loss, every gradient gathered to full shape, then
 3 AdamW steps, on batches whose microbatches hold different numbers of ignored targets. Covers the tied
@@ -28,6 +28,7 @@ TWO_RANKS = [
     ("hf", dict(pp=2), ZB, {}),
     ("hf", dict(pp=2), dict(ZB, recompute="selective"), {}),
     ("family", dict(pp=2), dict(ZB, late_receives=True), dict(family="llama", hidden=32, heads=4, kv_heads=2)),
+    ("gpt", dict(pp=2), dict(ZB, schedule="zb-h2"), GPT),    # rank 0 warms up with 3 forwards, not 2
     ("gpt", dict(pp=2), ZBV, GPT),
     ("gpt", dict(pp=2), dict(ZBV, recompute=True, clip=0.05), GPT),
     ("hf", dict(pp=2), ZBV, {}),
@@ -38,6 +39,7 @@ FOUR_RANKS = [
     ("hf", dict(pp=2, tp=2), ZB, {}),
     ("gpt", dict(dp=2, pp=2), dict(ZB, microbatches=2, zero=1), GPT),
     ("gpt", dict(pp=4), ZB, dict(n_layer=4, tie_weights=False)),
+    ("gpt", dict(pp=4), dict(ZB, schedule="zb-h2"), dict(n_layer=4, tie_weights=False)),   # ranks 1, 2 warm up deeper
     ("gpt", dict(pp=2, tp=2), ZBV, GPT),
     ("gpt", dict(dp=2, pp=2), dict(ZBV, microbatches=2, zero=1), GPT),
 ]

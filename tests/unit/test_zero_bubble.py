@@ -302,3 +302,65 @@ def test_zb_v_with_a_heavier_head_chunk_keeps_its_bubble_small():
     assert tl.step_time <= 3 * 8 + 0.5 + 1e-9
     pairs = [act[0] + act[3], act[1] + act[2]]
     assert max(tl.peak_activation_bytes.values()) <= 2 * max(pairs) + 1e-9
+
+
+@pytest.mark.parametrize("pp,m", CASES)
+def test_zb_h2_is_valid_holds_its_deeper_warm_up_and_steps_as_zb_h1_when_f_b_w_are_equal(pp, m):
+    """ZB-H2: rank r holds up to 2 (p - r) - 1 microbatches between F and B (about twice 1F1B's peak);
+    within one synchronous step, with F = B = W, it takes ZB-H1's step (the last stage waits (p - 1) F
+    and then has 3m of work)."""
+    from autoshard.ir.zero_bubble import zero_bubble_h2
+    s = zero_bubble_h2(pp, m)
+    assert s.split and make_schedule("zb-h2", pp, m, 1).text() == s.text()
+    validate(s)
+    lowered = add_communication(s)
+    validate(lowered)
+    assert Schedule.from_text(lowered.text()) == lowered
+    for r, acts in s.actions.items():
+        for kind in (Kind.F, Kind.B, Kind.W):
+            assert [a.microbatch for a in acts if a.kind is kind] == list(range(m))
+        in_flight = most = 0
+        for a in acts:
+            in_flight += {Kind.F: 1, Kind.B: -1}.get(a.kind, 0)
+            most = max(most, in_flight)
+        assert most <= min(m, 2 * (pp - r) - 1)
+    h2, h1 = simulate(s, costs(pp, 1000)), simulate(zero_bubble_h1(pp, m), costs(pp, 1000))
+    assert h2.step_time == h1.step_time
+    assert max(h2.peak_activation_bytes.values()) <= 1000 * min(m, 2 * pp - 1)
+    if m >= 2 * pp - 1 and pp > 1:
+        assert max(h2.peak_activation_bytes.values()) > max(h1.peak_activation_bytes.values())
+
+
+def test_zb_h2_beats_zb_h1_where_b_outweighs_w():
+    """With B = 2, W = 1 (the ops between the matmuls in B: on the CI host a stage measured B 6.14 and W
+    1.87 ms) ZB-H1 leaves (p - 1)(F + B - W) of bubble; ZB-H2's extra warm-up forwards fill part of it."""
+    from autoshard.ir.zero_bubble import zero_bubble_h2
+    pp, m = 4, 8
+    c = Costs((1,) * pp, (3,) * pp, (1,) * pp, weight=(1,) * pp)
+    h1 = simulate(zero_bubble_h1(pp, m, b=2, w=1), c)
+    h2 = simulate(zero_bubble_h2(pp, m, b=2, w=1), c)
+    assert h1.step_time == 4 * m + (pp - 1) * 2 == 38
+    assert h2.step_time == 35 < h1.step_time
+
+
+def test_auto_tries_zb_h2_only_where_a_memory_limit_checks_it():
+    """ZB-H2 holds about twice 1F1B's activations: ``schedule="auto"`` prices it only under a
+    ``memory_limit``, runs it where it is the fastest that fits, and passes over it where it does not."""
+    import autoshard
+    from autoshard.ir.options import CostModel
+    model, args = build("gpt", n_layer=4, block_size=64), batch("gpt", 96, B=16, T=64)   # activations weigh
+
+    def compiled(name="auto", **pipeline):
+        options = CompileOptions(cost_model=CostModel.cpu(),
+                                 pipeline=PipelineOptions(microbatches=8, schedule=name, **pipeline))
+        return autoshard.compile_pipeline(model, {"pp": 2}, 0, *args, options)
+    assert "zb-h2" not in compiled().plan.schedule_choice
+    plans = {name: compiled(name, memory_limit=2**30).plan for name in ("1f1b", "zb-h1", "zb-h2")}
+    peaks = {name: max(p.predicted_peak_bytes.values()) for name, p in plans.items()}
+    fastest = min(plans, key=lambda name: plans[name].predicted_step)
+    roomy = compiled(memory_limit=2**30)
+    assert "zb-h2" in roomy.plan.schedule_choice and roomy.schedule.name == fastest
+    assert roomy.plan.predicted_step == pytest.approx(plans[fastest].predicted_step)
+    assert peaks["zb-h2"] > peaks["zb-h1"]
+    tight = compiled(memory_limit=(peaks["zb-h1"] + peaks["zb-h2"]) / 2)
+    assert tight.schedule.name != "zb-h2" and "over memory_limit" in tight.plan.schedule_choice
