@@ -249,7 +249,7 @@ def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example
     out = _rank_dump_dir(options, rank)
     local, timings = run_passes(captured.gm, PassContext(spec, rank, _pins_by_graph_name(options, captured), out))
     plan = local.meta[STAGE_PLAN]
-    if plan.schedule is not None:      # the one pipeline_split priced (ZB-H1's is generated on the stages' costs)
+    if plan.schedule is not None:      # the one pipeline_split priced (the zero-bubble ones are generated on the stages' costs)
         schedule = add_communication(plan.schedule)
         validate(schedule)
     chunks, plan.recomputed = split_chunks(local, plan)
@@ -399,8 +399,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     RMSNorm, softmax) as generated Triton kernels, forward and backward: ``"auto"`` on CUDA only;
     ``True`` on CPU too when ``TRITON_INTERPRET=1`` (slow: for tests). When only the loss reads the
     logits (``loss_only``, ``pm.step``), the LM head and the cross-entropy run chunked over tokens so the
-    logits never exist whole: ``loss_chunk_rows`` rows at a time ("auto": Liger's rule, at least 256;
-    None: off). ``recompute=True`` keeps only each layer's input for backward and runs the layer again
+    logits never exist whole: ``loss_chunk_rows`` rows at a time ("auto": Liger's rule, at least 256, and
+    on CUDA at least 0.3 TFLOP of GEMM a chunk; None: off). ``recompute=True`` keeps only each layer's input for backward and runs the layer again
     there (Megatron's full recompute); ``"selective"`` runs only each attention's core again (scores,
     softmax, dropout, times v: Korthikanti et al.'s selective recompute); ``"auto"`` does full recompute
     when the model asks (HF's

@@ -215,18 +215,23 @@ def _gpu_models(args):
 
 def variant_options(variant: str) -> dict:
     """``parallelize`` options of a variant named like ``"autoshard recompute=selective fuse=False"``: each
-    ``key=value`` after the name is an option (``False``/``True``/numbers read as such), a bare word is
-    ``word=True`` (``cuda_graphs``); the defaults are ``fuse="auto"`` and autoshard's own codegen."""
-    options = dict(fuse="auto")
+    ``key=value`` after the name is an option (a Python literal where it reads as one: ``False``,
+    ``None``, ``2048``, ``1e9``; else the string), a bare word is ``word=True`` (``cuda_graphs``); the
+    defaults are ``fuse="auto"`` and autoshard's own codegen (the call sets ``loss_only`` and
+    ``mixed_precision``)."""
+    import ast
+    options = dict(fuse="auto", codegen="autoshard")
     for word in variant.split()[1:]:
         key, _, value = word.partition("=")
+        if key in ("loss_only", "mixed_precision"):
+            raise ValueError(f"variant {variant!r}: {key} is the benchmark's own setting")
         if not value:
             options[key] = True
             continue
         try:
-            options[key] = {"False": False, "True": True, "None": None}[value]
-        except KeyError:
-            options[key] = int(value) if value.isdigit() else value
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value
     return options
 
 

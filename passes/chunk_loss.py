@@ -56,7 +56,7 @@ def default_chunk(rows: int, local_vocab: int, hidden: int, floor: int = 256, gp
     if gpu:
         busy = _pow2_at_least(math.ceil(GPU_MIN_CHUNK_FLOPS / (6 * local_vocab * hidden)))
         cap = 1 << max(0, (GPU_MAX_CHUNK_BYTES // (4 * local_vocab)).bit_length() - 1)
-        chunk = max(chunk, min(busy, cap))
+        chunk = min(max(chunk, busy), cap)
     return min(rows, max(floor, chunk))
 
 
@@ -154,6 +154,40 @@ def _loss_kernels(options) -> bool:
     return options.fuse is True and fusion_enabled(options)[0]
 
 
+def _chunking(rows: int, local_vocab: int, hidden: int, chunk_rows) -> tuple:
+    """``(rows a chunk, why the loss stays whole or "")`` for ``loss_chunk_rows=chunk_rows``."""
+    chunk = default_chunk(rows, local_vocab, hidden, gpu=_runs_on_cuda()) if chunk_rows == "auto" \
+        else min(int(chunk_rows), rows)
+    logits_bytes = rows * local_vocab * 4
+    if chunk_rows == "auto" and logits_bytes < AUTO_MIN_LOGITS_BYTES:
+        return chunk, (f"the logits are {logits_bytes / 2**20:.1f} MiB, under the "
+                       f"{AUTO_MIN_LOGITS_BYTES // 2**20} MiB that loss_chunk_rows='auto' chunks")
+    if chunk >= rows:
+        return chunk, f"{rows} rows fit in one chunk of {chunk}: nothing to gain"
+    return chunk, ""
+
+
+def heads_with_the_loss(gm: fx.GraphModule, chunk_rows, tp: int) -> set:
+    """The LM head matmuls this pass will fold into their chunked loss, which then computes their weight
+    gradient with the loss: in a split schedule's B, not W. Asked before the pass runs (the stage
+    balancer prices B and W), on the captured graph's global shapes, the vocab split over ``tp``."""
+    if not chunk_rows:
+        return set()
+    heads = set()
+    for n in gm.graph.nodes:
+        a = _loss_args(gm, n)
+        if a is None or a["weight"] is not None or a["reduction"] not in (1, 2):
+            continue
+        head = _head(gm, a["logits"])[0]
+        logits, weight = a["logits"].meta.get("val"), head.args[1].meta.get("val") if head is not None else None
+        if weight is None or logits is None or weight.dim() != 2:
+            continue
+        vocab = logits.shape[-1]
+        if not _chunking(logits.numel() // max(vocab, 1), -(-vocab // tp), weight.shape[1], chunk_rows)[1]:
+            heads.add(head)
+    return heads
+
+
 def _rewrite(gm, n, a, chunk_rows, kernel: bool = False) -> ChunkedLoss:
     if a["weight"] is not None:
         return ChunkedLoss(n.name, False, "class weights: the unchunked loss handles them")
@@ -168,15 +202,9 @@ def _rewrite(gm, n, a, chunk_rows, kernel: bool = False) -> ChunkedLoss:
     hidden = M.LOCAL_SHAPE.get(weight)[1]
     if math.prod(M.LOCAL_SHAPE.get(h)) != rows * hidden:
         return ChunkedLoss(n.name, False, "the head's input is not the loss's rows")
-    chunk = default_chunk(rows, local_vocab, hidden, gpu=_runs_on_cuda()) if chunk_rows == "auto" \
-        else min(int(chunk_rows), rows)
-    record = ChunkedLoss(n.name, False, "", rows, local_vocab, chunk, rows * local_vocab * 4, chunk * local_vocab * 4)
-    if chunk_rows == "auto" and record.logits_bytes < AUTO_MIN_LOGITS_BYTES:
-        record.why = (f"the logits are {record.logits_bytes / 2**20:.1f} MiB, under the "
-                      f"{AUTO_MIN_LOGITS_BYTES // 2**20} MiB that loss_chunk_rows='auto' chunks")
-        return record
-    if chunk >= rows:
-        record.why = f"{rows} rows fit in one chunk of {chunk}: nothing to gain"
+    chunk, why = _chunking(rows, local_vocab, hidden, chunk_rows)
+    record = ChunkedLoss(n.name, False, why, rows, local_vocab, chunk, rows * local_vocab * 4, chunk * local_vocab * 4)
+    if why:
         return record
     # the head's f: fused into a ColumnParallelMatmul, its all-reduce of the input gradient moves into the
     # chunked op; a plain linear at tp > 1 (overlap_grad_allreduce disabled) keeps its f node, which does it

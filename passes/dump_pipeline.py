@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from autoshard.ir import meta as M
-from autoshard.ir.schedule import Schedule
+from autoshard.ir.schedule import Schedule, add_communication
 from autoshard.ir.simulator import Costs, simulate
 from autoshard.passes import dump as D
 
@@ -60,11 +60,15 @@ def weight_grad_lines(prog) -> list:
 
 
 def _costs(prog) -> Costs:
-    return Costs.of_stages(prog.plan.costs)
+    """What the predicted step was simulated with (a plan from before the simulation was recorded: the
+    stages' compute alone)."""
+    return prog.plan.simulation or Costs.of_stages(prog.plan.costs)
 
 
 def simulated(prog):
-    return simulate(prog.schedule, _costs(prog))
+    """The predicted step's timeline: the lowered schedule, whose sends may hold their ranks."""
+    s = prog.schedule
+    return simulate(s if s.lowered else add_communication(s), _costs(prog))
 
 
 def write_pipeline(prog, out: str) -> None:
@@ -118,8 +122,9 @@ def write_pipeline(prog, out: str) -> None:
     if plan.schedule_choice:
         L += [plan.schedule_choice, ""]
     form = "(p-1)(F+B-W)/(m(F+B+W))" if sched.split else "(p-1)/(v m)"
+    whose = "ZB-H1's closed form (ZB-H2's deeper warm-up can do better)" if sched.name == "zb-h2" else "closed form"
     L += ["## Timelines", "",
-          f"Simulated bubble {sim.bubble_over_ideal:.3f} of the ideal step; closed form "
+          f"Simulated bubble {sim.bubble_over_ideal:.3f} of the ideal step; {whose} "
           f"{form} = {closed_form(sched, _costs(prog)):.3f}.", "",
           "| simulated | measured (second pm.step; the first is warm-up) |", "|---|---|",
           "| ![simulated](simulated.svg) | ![measured](measured.svg) |", "",

@@ -41,6 +41,7 @@ from autoshard.ir.simulator import Costs, simulate
 from autoshard.passes.schedule_auto import choose_schedule, choose_virtual, price_schedule, tries_the_v
 from autoshard.passes.activation_share import ActivationShare, activation_share
 from autoshard.passes.weight_grad import _matmul_operands, parameter_of
+from autoshard.passes.chunk_loss import heads_with_the_loss
 
 ADAM_BYTES_PER_PARAM_BYTE = 4      # the parameter, its gradient, and AdamW's two moments
 _MATMULS = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "scaled_dot_product_attention"}
@@ -250,13 +251,15 @@ class PerRankRecompute:
         return self.recomputed.chunk(i, j, tp)
 
 
-def price(gm: fx.GraphModule, act: set, cands: list, cm, prefix, share: ActivationShare = ActivationShare()) -> Segments:
+def price(gm: fx.GraphModule, act: set, cands: list, cm, prefix, share: ActivationShare = ActivationShare(),
+          in_b: frozenset = frozenset()) -> Segments:
     """Each stretch's forward seconds, flops, parameters, layers, the activation bytes one rank keeps of
     what its forward saves (``share``: the tp shard of each saved value, and what selective recompute
     drops), and its weight gradients' seconds: a matmul by a parameter's forward again (dW = x^T dy has
     its flops), all the W of a split backward; the rest of the backward (about twice the forward) is B.
     W so is less than half the backward wherever the ops between the matmuls weigh: on the CI host a
-    4-layer GPT stage measured B 6.14 and W 1.87 ms (``benchmarks/results/zero_bubble.md``)."""
+    4-layer GPT stage measured B 6.14 and W 1.87 ms (``benchmarks/results/zero_bubble.md``). ``in_b``: the
+    parameter matmuls whose weight gradient stays in B (an LM head the chunked loss takes)."""
     ends = [c.position for c in cands] + [len(gm.graph.nodes)]
     k = 0
     seg = Segments([0.0] * len(ends), [0.0] * len(ends), [set() for _ in ends], [0] * len(ends),
@@ -269,7 +272,7 @@ def price(gm: fx.GraphModule, act: set, cands: list, cm, prefix, share: Activati
         seconds = node_seconds(n, cm)
         seg.seconds[k] += seconds
         seg.flops[k] += flops(n, shape_of) if n.op == "call_function" else 0
-        if (operands := _matmul_operands(n)) is not None and parameter_of(operands[1]) is not None:
+        if n not in in_b and (operands := _matmul_operands(n)) is not None and parameter_of(operands[1]) is not None:
             seg.weight[k] += seconds
         if saved_for_backward(n):
             seg.activation_bytes[k] += share.kept(n, _nbytes(val(n)))
@@ -368,18 +371,25 @@ def uniform_cuts(count: int, stages: int) -> tuple:
 
 
 def predict(seg: Segments, cuts: list, schedule, tp: int, cm, cands: list, whole: Segments | None = None):
-    """Chunk costs for ``cuts`` and the simulated step (seconds) and per-rank peak (params + activations).
-    The simulator takes one transfer time: that of the widest boundary these cuts send."""
-    boundary_bytes = max((cands[c - 1].nbytes for c in cuts), default=0)
+    """Chunk costs for ``cuts`` and the simulated step (seconds) and per-rank peak (params + activations)."""
     edges = [0] + list(cuts) + [len(seg.seconds)]
     costs = [seg.priced_as(k, schedule.rank_of).chunk(a, b, tp) for k, (a, b) in enumerate(zip(edges, edges[1:]))]
-    split = 1 + (cm.weight_split_overhead if schedule.split else 0.0)    # B + W cost more than a whole backward
-    sim = simulate(add_communication(schedule),
-                   Costs.of_stages(costs, cm.p2p_latency + boundary_bytes / cm.p2p_bandwidth,
-                                   kept_for_w(whole or seg, edges, tp), split, cm.action_overhead, cm.send_blocking))
+    sim = simulate(add_communication(schedule), simulation_costs(seg, cuts, schedule, tp, cm, cands, costs, whole))
     peak = {r: sim.peak_activation_bytes[r] + sum(costs[s].param_bytes for s in schedule.stages_of(r))
             for r in range(schedule.pp)}
     return costs, sim.step_time, peak
+
+
+def simulation_costs(seg: Segments, cuts: list, schedule, tp: int, cm, cands: list, costs: list,
+                     whole: Segments | None = None) -> Costs:
+    """What the simulator prices the chunks ``costs`` of ``cuts`` with: one transfer time (the widest
+    boundary these cuts send), what a split B keeps for W, the split's extra pass, and the runtime's own
+    time per action and per blocking send. One place, so ``pipeline.md``'s timeline is the predicted step's."""
+    boundary_bytes = max((cands[c - 1].nbytes for c in cuts), default=0)
+    edges = [0] + list(cuts) + [len(seg.seconds)]
+    split = 1 + (cm.weight_split_overhead if schedule.split else 0.0)    # B + W cost more than a whole backward
+    return Costs.of_stages(costs, cm.p2p_latency + boundary_bytes / cm.p2p_bandwidth, kept_for_w(whole or seg, edges, tp),
+                           split, cm.action_overhead, cm.send_blocking)
 
 
 def kept_for_w(whole: Segments, edges: list, tp: int) -> tuple:
@@ -402,9 +412,10 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     count = len({layer_of(n, prefix) for n in gm.graph.nodes} - {None})
     sp = ctx.options.sequence_parallel if tp > 1 else False
     share = activation_share(gm, cands, tp, sp, selective=False)
-    seg = whole = price(gm, act, cands, cm, prefix, share)
+    in_b = frozenset(heads_with_the_loss(gm, ctx.options.loss_chunk_rows, tp))    # their dW comes with the loss
+    seg = whole = price(gm, act, cands, cm, prefix, share, in_b)
     if ctx.options.recompute == "selective":
-        seg = price(gm, act, cands, cm, prefix, activation_share(gm, cands, tp, sp, selective=True))
+        seg = price(gm, act, cands, cm, prefix, activation_share(gm, cands, tp, sp, selective=True), in_b)
     elif ctx.options.recompute is True:
         seg = whole.with_recompute(cands, share)
 
@@ -494,7 +505,8 @@ def _stage_plan(gm, ctx, cm, name: str, v: int, cands, prefix, count, seg, whole
                           "or uneven stages leave W little room); schedule='auto' picks the faster", stacklevel=4)
     plan = StagePlan(stages, [cands[c - 1].boundary.name for c in cuts], costs, how, len(cands), count, step, peak,
                      stretches=list(cuts), carried=[tuple(a.name for a in cands[c - 1].carried) for c in cuts],
-                     schedule=schedule, schedule_choice=choice)
+                     schedule=schedule, schedule_choice=choice,
+                     simulation=simulation_costs(seg, cuts, schedule, tp, cm, cands, costs, whole))
     if stages > 1 and count >= stages:
         ucuts = uniform_cuts(count, stages)
         try:

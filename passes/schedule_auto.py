@@ -54,8 +54,11 @@ def choose_schedule(predict, cuts, pp: int, m: int, first_costs: list, memory_li
     names = CANDIDATES + (UNDER_A_LIMIT if memory_limit is not None else ())
     names = names if resolved_codegen(codegen) != "inductor" else ("1f1b",)
     priced = [price_schedule(name, predict, cuts, pp, m, first_costs, memory_limit, kept) for name in names]
-    fitting = [p for p in priced if p.fits] or priced      # none fits: the balancer has said so already
-    best = min(fitting, key=lambda p: (p.step, names.index(p.name)))
+    fitting = [p for p in priced if p.fits]
+    if fitting:
+        best = min(fitting, key=lambda p: (p.step, names.index(p.name)))
+    else:       # none fits (the balancer has said so already): the smallest peak, as choose_virtual
+        best = min(priced, key=lambda p: (max(p.peak.values()), names.index(p.name)))
     parts = [f"{p.name} {p.step * 1e3:.3f} ms, peak {max(p.peak.values()) / 2**20:.2f} MiB"
              + ("" if p.fits else f" (over memory_limit={memory_limit / 2**20:.2f} MiB)") for p in priced]
     why = (f"schedule='auto' chose {best.name}: the shortest predicted step"

@@ -29,7 +29,8 @@ class StageCost:
     layers: tuple = ()        # the layer indices (of the model's repeated block) it holds
     recompute_seconds: float = 0.0   # the forward its backward runs again (activation recompute)
     weight_seconds: float = 0.0      # of the backward, the weight gradients of its matmuls by a parameter:
-                                     # a split schedule's W (B is the rest; 0: not priced, B = W)
+                                     # a split schedule's W, B the rest (0 with none; where no stage has
+                                     # any, the simulator takes half the backward)
 
     @property
     def backward_seconds(self) -> float:
@@ -56,6 +57,7 @@ class StagePlan:
     carried: list = field(default_factory=list)      # per boundary: names of the values sent beside it
     schedule: object = None                      # the compute-only Schedule these stages run (priced with them)
     schedule_choice: str = ""                    # schedule="auto": what it chose and why
+    simulation: object = None                    # the ir.simulator.Costs predicted_step was simulated with
 
     def sent(self, k: int) -> tuple:
         """The names of everything chunk k sends to chunk k+1, the residual stream first."""

@@ -157,21 +157,23 @@ def _nice_step(raw: float) -> float:
 
 
 def simulate(schedule: Schedule, costs: Costs) -> Timeline:
-    """Replay ``schedule`` (compute-only or lowered by ``add_communication``; both give the same times)
-    and return its ``Timeline``. Raises ``ValueError`` if the schedule deadlocks."""
+    """Replay ``schedule`` (compute-only or lowered by ``add_communication``: both give the same times
+    unless ``costs.send`` holds a sending rank, which only a lowered schedule has) and return its
+    ``Timeline``. Raises ``ValueError`` if the schedule deadlocks."""
     costs.check(schedule)
     rank_of, split = schedule.rank_of, schedule.split
     # B frees a microbatch's activations (and in a split schedule takes what it keeps for W), W frees that
     clock = {r: 0 for r in range(schedule.pp)}
     deps = dependencies(schedule)
     end: dict[Action, float] = {}
+    sent: dict[Action, float] = {}           # a SEND: when it started
     spans: dict[int, list[Span]] = {r: [] for r in range(schedule.pp)}
     busy = {r: 0 for r in range(schedule.pp)}
     for action in execution_order(schedule):  # every dependency comes before the action
         r = rank_of(action.stage)
         ready = clock[r]
-        for dep in deps[action]:
-            ready = max(ready, end[dep] + (costs.p2p if rank_of(dep.stage) != r else 0))
+        for dep in deps[action]:     # a send's bytes leave when it starts, whatever it holds its rank
+            ready = max(ready, sent.get(dep, end[dep]) + (costs.p2p if rank_of(dep.stage) != r else 0))
         if action.kind is Kind.F:
             duration = costs.forward[action.stage]
         elif action.kind is Kind.B:
@@ -185,6 +187,8 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
         if duration and action.is_compute:      # a free action (an empty stage's) stays free
             duration += costs.overhead
         start = clock[r] if action.kind in (Kind.RECV_F, Kind.RECV_B) else ready
+        if action.kind in (Kind.SEND_F, Kind.SEND_B):
+            sent[action] = ready
         end[action] = ready + duration
         spans[r].append(Span(action, start, end[action]))
         clock[r] = end[action]

@@ -45,8 +45,8 @@ def zero_bubble_h2(pp: int, m: int, f=1, b=1, w=1, activation=1, kept=None, resi
     synchronization before the optimizer (its "post-validation"). autoshard's step is synchronous, and
     within one step the last stage still waits (p - 1) F for its first input and then has 3m of work,
     which is ZB-H1's step already when F = B = W: there ZB-H2 predicts ZB-H1's step at more memory
-    (``tests/unit/test_zero_bubble.py``). It can win where the stages differ, and ``schedule="auto"``
-    prices it beside 1F1B and ZB-H1."""
+    (``tests/unit/test_zero_bubble.py``). It wins where B outweighs W or the stages differ, and
+    ``schedule="auto"`` prices it beside 1F1B and ZB-H1 where a ``memory_limit`` can check it fits."""
     return _zero_bubble_h("zb-h2", pp, m, lambda r: 2 * (pp - r) - 1, f, b, w, activation, kept, resident)
 
 

@@ -94,8 +94,8 @@ class Cluster:
         cuda = torch.cuda.is_available() and (not dist.is_initialized() or dist.get_backend() == "nccl")
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
-        # a GPU's GEMMs are launch-bound up to about 1024 (an H100's 1024-cube GEMM timed back to back ran
-        # at 140 TFLOP/s, its 2048-cube one at 673): its curve is measured up to 8192
+        # a GPU's GEMMs under about 1024 are mostly a kernel's fixed cost (timed on the device, an H100's
+        # 1024 cube ran at 347 TFLOP/s, its 4096 one at 783): its curve is measured up to 8192
         sizes = sizes or ((256, 512, 1024, 2048, 4096, 8192) if cuda else (64, 128, 256, 512, 1024))
         # cubes, thin GEMMs (a small inner dim), and an attention core's (s, s, head_dim). Nothing under
         # ``sizes[0]``/2: a tiny GEMM's time is the op overhead, which the planner prices on its own
@@ -201,8 +201,9 @@ def _timed(fn, device, repeats: int, at_least: float = 0.05) -> float:
     return sorted(seconds)[len(seconds) // 2]
 
 
-# A GPU kernel shorter than this measures its fixed start-up and tail, not its throughput: the planner
-# prices those per op (``op_overhead``), so such GEMMs stay out of the efficiency curve's fit
+# A GPU kernel shorter than this measures its fixed start-up and tail, not its throughput, which the
+# x / (x + half) curve cannot follow: such GEMMs stay out of the fit (the planner prices a small op by
+# the host's launch, ``op_overhead``, where that is longer than its device time)
 KERNEL_FIXED_SECONDS = 10e-6
 
 

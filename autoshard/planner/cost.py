@@ -295,7 +295,8 @@ def stage_memory(shape: ModelShape, c: Candidate, rank: int, flash: bool = True,
     """Bytes pipeline rank ``rank`` holds at its peak: the parameters, gradients and optimizer state of
     the most loaded rank (layers split evenly, the vocabulary on an end stage), and its own activations:
     ``in_flight(p, m, v, rank)`` chunk-microbatches of its layers (1F1B's first rank p, its last one;
-    GPipe's every rank m; ZB-H1's every rank up to 1F1B's first rank's), one layer's whole activations
+    GPipe's every rank m; ZB-H1's every rank up to 1F1B's first rank's, ZB-H2's up to its first rank's
+    ``min(m, 2p - 1)``: one cap in bytes for all, W's held back fill it), one layer's whole activations
     more while full recompute runs it again, and the fp32 logits and their gradient on the rank that
     holds the LM head (the last). ``activation_bytes``: of one activation element (2: bf16, Korthikanti's
     formulas; 4 for fp32 training)."""
@@ -304,8 +305,8 @@ def stage_memory(shape: ModelShape, c: Candidate, rank: int, flash: bool = True,
     scale = activation_bytes / BF16
     per_layer = activation_bytes_per_layer(shape, c.b, c.tp, c.recompute, flash, c.sp) * scale
     chunk_layers = shape.layers / (c.pp * c.v)
-    microbatches = {"gpipe": c.m * c.v, "zb-h1": in_flight(c.pp, c.m, c.v, 0)}.get(schedule,
-                                                                                  in_flight(c.pp, c.m, c.v, rank))
+    microbatches = {"gpipe": c.m * c.v, "zb-h1": in_flight(c.pp, c.m, c.v, 0),
+                    "zb-h2": min(c.m, 2 * c.pp - 1)}.get(schedule, in_flight(c.pp, c.m, c.v, rank))
     held = microbatches * chunk_layers * per_layer
     if c.recompute == "full":     # one layer's whole activations while it is recomputed
         held += activation_bytes_per_layer(shape, c.b, c.tp, "none", flash, c.sp) * scale

@@ -171,12 +171,12 @@ def candidates(shape: ModelShape, gpus: int, global_batch: int, max_b: int = 16,
 
 
 def _sequence_parallel(t: int, seq: int, recompute: str) -> tuple:
-    """The ``sequence_parallel`` settings to price: none without a sequence to shard; SP kept gathered,
-    and regathered (one more all-gather of each column-parallel input in backward for 8 sbh (1 - 1/t)
-    fewer bytes a layer), except under full recompute, which keeps only the layer inputs."""
-    if t == 1 or seq % t:
-        return (False,)
-    return (False, True) if recompute == "full" else (False, True, "regather")
+    """The ``sequence_parallel`` settings to price with ``recompute``: the memory ladder's
+    (``memory_ladder.rungs_for``): none without a sequence to shard; SP kept gathered, and regathered
+    (one more all-gather of each column-parallel input in backward for 4 sbh (1 - 1/t) fewer 16-bit
+    bytes a layer), except under full recompute, which keeps only the layer inputs."""
+    from autoshard.planner.memory_ladder import rungs_for      # it imports this module
+    return tuple(sp for _, sp in rungs_for(t, seq, recompute))
 
 
 def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int | None = None,

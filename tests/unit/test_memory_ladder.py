@@ -250,16 +250,19 @@ def test_plan_takes_a_memory_limit_below_the_clusters():
 
 def test_the_schedule_and_the_compute_dtype_set_the_activation_bytes():
     """GPipe holds every microbatch on every rank (1F1B p - r), ZB-H1 up to 1F1B's first rank's on every
-    rank, and fp32 activations are twice bf16's: the ladder prices what the run will hold."""
+    rank, ZB-H2 up to min(m, 2p - 1), and fp32 activations are twice bf16's: the ladder prices what the
+    run will hold."""
     c = Candidate(1, 4, 1, 1, 8, recompute="none")
     one_f = [stage_memory(SHAPE, c, r, flash=False) for r in range(4)]
     gpipe = [stage_memory(SHAPE, c, r, flash=False, schedule="gpipe") for r in range(4)]
     zb = [stage_memory(SHAPE, c, r, flash=False, schedule="zb-h1") for r in range(4)]
+    zb2 = [stage_memory(SHAPE, c, r, flash=False, schedule="zb-h2") for r in range(4)]
     fp32 = [stage_memory(SHAPE, c, r, flash=False, activation_bytes=4) for r in range(4)]
     logits = 2 * 4 * SHAPE.seq * SHAPE.vocab          # the last rank's fp32 logits and gradient, whatever the rest
     for r in range(4):
         extra = logits if r == 3 else 0
         assert gpipe[r].activations - extra == pytest.approx((one_f[r].activations - extra) * 8 / (4 - r))
         assert zb[r].activations - extra == pytest.approx((one_f[0].activations) * 1.0)
+        assert zb2[r].activations - extra == pytest.approx(one_f[0].activations * 7 / 4)     # min(8, 2p - 1) = 7
         assert fp32[r].activations - extra == pytest.approx(2 * (one_f[r].activations - extra))
     assert choose(SHAPE, 1e15, pp=4, b=1, m=8, schedule="gpipe").chosen.bytes > choose(SHAPE, 1e15, pp=4, b=1, m=8).chosen.bytes

@@ -344,13 +344,16 @@ def test_zb_h2_beats_zb_h1_where_b_outweighs_w():
 
 def test_auto_tries_zb_h2_only_where_a_memory_limit_checks_it():
     """ZB-H2 holds about twice 1F1B's activations: ``schedule="auto"`` prices it only under a
-    ``memory_limit``, runs it where it is the fastest that fits, and passes over it where it does not."""
+    ``memory_limit``, runs it where it is the fastest that fits, and passes over it where it does not
+    (priced with a free split and runtime, where ZB-H2 is the fastest here)."""
+    import dataclasses
     import autoshard
     from autoshard.ir.options import CostModel
     model, args = build("gpt", n_layer=4, block_size=64), batch("gpt", 96, B=16, T=64)   # activations weigh
+    cm = dataclasses.replace(CostModel.cpu(), weight_split_overhead=0.0, action_overhead=0.0, send_blocking=0.0)
 
     def compiled(name="auto", **pipeline):
-        options = CompileOptions(cost_model=CostModel.cpu(),
+        options = CompileOptions(cost_model=cm,
                                  pipeline=PipelineOptions(microbatches=8, schedule=name, **pipeline))
         return autoshard.compile_pipeline(model, {"pp": 2}, 0, *args, options)
     assert "zb-h2" not in compiled().plan.schedule_choice
@@ -358,8 +361,23 @@ def test_auto_tries_zb_h2_only_where_a_memory_limit_checks_it():
     peaks = {name: max(p.predicted_peak_bytes.values()) for name, p in plans.items()}
     fastest = min(plans, key=lambda name: plans[name].predicted_step)
     roomy = compiled(memory_limit=2**30)
-    assert "zb-h2" in roomy.plan.schedule_choice and roomy.schedule.name == fastest
-    assert roomy.plan.predicted_step == pytest.approx(plans[fastest].predicted_step)
+    assert fastest == "zb-h2" and "zb-h2" in roomy.plan.schedule_choice and roomy.schedule.name == "zb-h2"
+    assert roomy.plan.predicted_step == pytest.approx(plans["zb-h2"].predicted_step)
     assert peaks["zb-h2"] > peaks["zb-h1"]
     tight = compiled(memory_limit=(peaks["zb-h1"] + peaks["zb-h2"]) / 2)
-    assert tight.schedule.name != "zb-h2" and "over memory_limit" in tight.plan.schedule_choice
+    assert tight.schedule.name == "zb-h1" and "over memory_limit" in tight.plan.schedule_choice
+
+
+def test_a_chunked_lm_head_prices_its_weight_gradient_in_b():
+    """The chunked loss computes the LM head's weight gradient with the loss, in a split schedule's B: the
+    stage balancer prices it there, not in W (the embedding's stage is unchanged)."""
+    import autoshard
+    from autoshard.ir.options import CostModel
+    model, args = build("gpt", n_layer=4, tie_weights=False), batch("gpt", 96, B=8)
+
+    def weights(rows):
+        options = CompileOptions(cost_model=CostModel.cpu(), loss_chunk_rows=rows,
+                                 pipeline=PipelineOptions(microbatches=4, schedule="zb-h1"))
+        return [c.weight_seconds for c in autoshard.compile_pipeline(model, {"pp": 2}, 0, *args, options).plan.costs]
+    whole, chunked = weights(None), weights(4)
+    assert chunked[0] == whole[0] and 0 < chunked[1] < whole[1]
