@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, field
 from xml.sax.saxutils import escape
 
-from autoshard.ir.schedule import W_MEMORY, Action, Kind, Schedule, dependencies, execution_order
+from autoshard.ir.schedule import W_MEMORY, Action, Kind, Schedule, dependencies, execution_order, whole_backwards
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,8 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
     sent: dict[Action, float] = {}           # a SEND: when it started
     spans: dict[int, list[Span]] = {r: [] for r in range(schedule.pp)}
     busy = {r: 0 for r in range(schedule.pp)}
+    # a stage-0 B followed by its own W runs whole, as the executor runs it: one action, its W free
+    whole = set().union(*(whole_backwards(acts) for acts in schedule.actions.values())) if split else set()
     for action in execution_order(schedule):  # every dependency comes before the action
         r = rank_of(action.stage)
         ready = clock[r]
@@ -177,9 +179,10 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
         if action.kind is Kind.F:
             duration = costs.forward[action.stage]
         elif action.kind is Kind.B:
-            duration = costs.backward[action.stage] - (costs.w(action.stage) if split else 0)
+            whole_b = not split or (action.stage, action.microbatch) in whole
+            duration = costs.backward[action.stage] - (0 if whole_b else costs.w(action.stage))
         elif action.kind is Kind.W:
-            duration = costs.w(action.stage)
+            duration = 0 if (action.stage, action.microbatch) in whole else costs.w(action.stage)
         elif action.kind in (Kind.SEND_F, Kind.SEND_B):
             duration = costs.send
         else:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autoshard.ir.schedule import Action, Kind
+from autoshard.ir.schedule import Action, Kind, whole_backwards
 from autoshard.ir.simulator import Span
 from autoshard.ir.weight_grad import WeightGrads, deferring, splitting
 from autoshard.runtime.clock import Recorded, StepClock
@@ -305,22 +305,6 @@ def arming_points(actions: list, split: set) -> dict:
         out.setdefault(a, []).append("B")
     for stage, a in last_w.items():
         out.setdefault(a, []).append("W")
-    return out
-
-
-def whole_backwards(actions: list) -> set:
-    """``(stage, microbatch)`` of the split backwards this rank runs whole: stage 0's (its input gradient
-    goes nowhere, so nothing waits for B) whose W comes right after its B. Splitting those would change
-    nothing in the schedule's timing but add an action and a second pass over cold inputs (0.19 ms and
-    2.5% of a backward on a CPU core, ``CostModel.cpu``); elsewhere B sends its input gradient before W runs."""
-    out, previous = set(), None
-    for a in actions:
-        if not a.is_compute:
-            continue
-        if (a.kind is Kind.W and a.stage == 0 and previous is not None
-                and previous == Action(a.stage, Kind.B, a.microbatch)):
-            out.add((a.stage, a.microbatch))
-        previous = a
     return out
 
 

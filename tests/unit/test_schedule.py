@@ -311,3 +311,19 @@ def test_step_clock_times_gpu_work_from_events_read_only_when_asked():
     assert tl.step_time == 2.5 and tl.busy[1] == 1.5
     host = StepClock(torch.device("cpu"))     # on the CPU a mark is already seconds
     assert isinstance(host.mark(), float) and host.seconds(0.25) == 0.25
+
+
+def test_stage_0_backwards_the_executor_runs_whole_cost_one_action():
+    """A stage-0 B followed by its own W runs whole in the executor (``whole_backwards``: nothing waits for
+    stage 0's input gradient), so the simulator charges it one action's overhead, not two."""
+    import dataclasses
+    from autoshard.ir.schedule import whole_backwards
+    from autoshard.ir.zero_bubble import zero_bubble_h1
+    pp, m, o = 2, 4, Fraction(1, 4)
+    s = zero_bubble_h1(pp, m)
+    merged = whole_backwards(s.actions[0])
+    assert merged and all(stage == 0 for stage, _ in merged)
+    t = simulate(s, dataclasses.replace(unit_costs(s), overhead=o))
+    assert t.busy[0] == 3 * m + o * (3 * m - len(merged))
+    assert t.busy[1] == 3 * m + o * 3 * m
+    assert simulate(s, unit_costs(s)).step_time == 3 * m + (pp - 1)     # free of overhead: the closed form
