@@ -1,4 +1,4 @@
-"""What one rank keeps of a saved activation, for the stage balancer's memory (``pipeline_split.price``).
+"""What one rank keeps of a saved activation, for the stage balancer's memory (``stage_prices.price``).
 
 The balancer cuts the *global* graph before the planner has chosen any placement, yet a memory limit is
 per rank, and a rank of a tp group keeps far less than the whole graph saves. Megatron's accounting

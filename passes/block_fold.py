@@ -18,7 +18,7 @@ import re
 import torch.fx as fx
 
 from autoshard.ir import meta as M
-from autoshard.passes.pipeline_split import layer_of, layer_prefix
+from autoshard.passes.stage_prices import layer_of, layer_prefix
 from autoshard.passes.shapes import shape_of, val
 
 FOLD_MIN_LAYERS = 6      # a run shorter than this is planned whole (the saving is small; tests stay as they were)

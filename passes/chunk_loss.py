@@ -176,10 +176,10 @@ def heads_with_the_loss(gm: fx.GraphModule, chunk_rows, tp: int) -> set:
     heads = set()
     for n in gm.graph.nodes:
         a = _loss_args(gm, n)
-        if a is None or a["weight"] is not None or a["reduction"] not in (1, 2):
+        head = _foldable(gm, a)[0] if a is not None else None
+        if head is None:
             continue
-        head = _head(gm, a["logits"])[0]
-        logits, weight = a["logits"].meta.get("val"), head.args[1].meta.get("val") if head is not None else None
+        logits, weight = a["logits"].meta.get("val"), head.args[1].meta.get("val")
         if weight is None or logits is None or weight.dim() != 2:
             continue
         vocab = logits.shape[-1]
@@ -188,12 +188,17 @@ def heads_with_the_loss(gm: fx.GraphModule, chunk_rows, tp: int) -> set:
     return heads
 
 
-def _rewrite(gm, n, a, chunk_rows, kernel: bool = False) -> ChunkedLoss:
+def _foldable(gm, a) -> tuple:
+    """``_head``'s ``(head, chain, epilogue, why not)`` for a loss the pass can fold its LM head into."""
     if a["weight"] is not None:
-        return ChunkedLoss(n.name, False, "class weights: the unchunked loss handles them")
+        return None, (), (), "class weights: the unchunked loss handles them"
     if a["reduction"] not in (1, 2):
-        return ChunkedLoss(n.name, False, "reduction='none': per-row losses are returned whole")
-    head, chain, epilogue, why = _head(gm, a["logits"])
+        return None, (), (), "reduction='none': per-row losses are returned whole"
+    return _head(gm, a["logits"])
+
+
+def _rewrite(gm, n, a, chunk_rows, kernel: bool = False) -> ChunkedLoss:
+    head, chain, epilogue, why = _foldable(gm, a)
     if head is None:
         return ChunkedLoss(n.name, False, why)
     h, weight = head.args[0], head.args[1]

@@ -27,7 +27,8 @@ import torch.fx as fx
 from autoshard.ir.meta import RECOMPUTE, RECOMPUTE_PLAN
 from autoshard.ir.pipeline import STAGE_PLAN
 from autoshard.ir.recompute import RecomputePlan, RecomputeRegion
-from autoshard.passes.pipeline_split import activations, candidates, layer_of, layer_prefix
+from autoshard.passes.pipeline_split import activations, candidates
+from autoshard.passes.stage_prices import layer_of, layer_prefix
 from autoshard.passes.shapes import module_path, writes_in_place
 
 

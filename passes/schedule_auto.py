@@ -37,7 +37,7 @@ class Priced:
 def price_schedule(name: str, predict, cuts, pp: int, m: int, stages: list, memory_limit, kept: tuple | None = None,
                    v: int = 1) -> Priced:
     """Schedule ``name`` generated on the cut ``stages``' costs (and ``kept``: what a split B keeps for W
-    per stage), then priced by ``predict(cuts, schedule) -> (costs, step, peak)`` (``pipeline_split.predict``).
+    per stage), then priced by ``predict(cuts, schedule) -> (costs, step, peak)`` (``stage_prices.predict``).
     ``v``: stages a rank (2 for ZB-V and the interleaved baseline it is set against)."""
     placed = Schedule(name, pp, v, m, placement=PLACEMENTS.get(name, "interleaved"))     # placement only
     resident = [sum(stages[s].param_bytes for s in placed.stages_of(r)) for r in range(pp)]

@@ -22,7 +22,7 @@ import torch.fx as fx
 from autoshard.ir.meta import RECOMPUTE, RECOMPUTE_PLAN
 from autoshard.ir.recompute import RecomputePlan, RecomputeRegion
 from autoshard.passes.attention import attentions
-from autoshard.passes.pipeline_split import layer_of, layer_prefix
+from autoshard.passes.stage_prices import layer_of, layer_prefix
 from autoshard.passes.recompute import in_recompute_stages
 from autoshard.passes.shapes import module_path, writes_in_place
 

@@ -51,7 +51,7 @@ class Costs:
         """From per-stage records with ``forward_seconds``, ``backward_seconds`` and ``activation_bytes``
         (the balancer's ``StageCost``), and ``weight_seconds`` where priced (a split schedule's W; else
         half the backward); ``backward_scale`` prices a split backward's extra pass."""
-        priced = any(getattr(c, "weight_seconds", 0) for c in stages)
+        priced = any(c.weight_seconds for c in stages)
         weight = tuple(c.weight_seconds * backward_scale for c in stages) if priced else None
         return Costs(tuple(c.forward_seconds for c in stages), tuple(c.backward_seconds * backward_scale for c in stages),
                      tuple(c.activation_bytes for c in stages), p2p, weight, kept_bytes, overhead, send)
@@ -173,6 +173,7 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
     whole = set().union(*(whole_backwards(acts) for acts in schedule.actions.values())) if split else set()
     for action in execution_order(schedule):  # every dependency comes before the action
         r = rank_of(action.stage)
+        sends = action.kind in (Kind.SEND_F, Kind.SEND_B)
         ready = clock[r]
         for dep in deps[action]:     # a send's bytes leave when it starts, whatever it holds its rank
             ready = max(ready, sent.get(dep, end[dep]) + (costs.p2p if rank_of(dep.stage) != r else 0))
@@ -183,14 +184,14 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
             duration = costs.backward[action.stage] - (0 if whole_b else costs.w(action.stage))
         elif action.kind is Kind.W:
             duration = 0 if (action.stage, action.microbatch) in whole else costs.w(action.stage)
-        elif action.kind in (Kind.SEND_F, Kind.SEND_B):
+        elif sends:
             duration = costs.send
         else:
             duration = 0
         if duration and action.is_compute:      # a free action (an empty stage's) stays free
             duration += costs.overhead
         start = clock[r] if action.kind in (Kind.RECV_F, Kind.RECV_B) else ready
-        if action.kind in (Kind.SEND_F, Kind.SEND_B):
+        if sends:
             sent[action] = ready
         end[action] = ready + duration
         spans[r].append(Span(action, start, end[action]))

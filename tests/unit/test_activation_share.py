@@ -61,7 +61,7 @@ def test_a_schedule_priced_on_the_same_cuts_uses_its_own_placement():
     """ZB-V is compared with the interleaved schedule on the same cuts: chunk 2 is rank 1's in the V but
     rank 0's interleaved, so with only rank 0 recomputing its price differs between the two."""
     from autoshard.ir.schedule import make_schedule
-    from autoshard.passes.pipeline_split import PerRankRecompute
+    from autoshard.passes.stage_prices import PerRankRecompute
     v, interleaved = make_schedule("zb-v", 2, 4, 2), make_schedule("interleaved", 2, 4, 2)
     seg = PerRankRecompute("recomputed", "plain", frozenset({0}), v.rank_of)
     assert [seg.priced_as(k) for k in range(4)] == ["recomputed", "plain", "plain", "recomputed"]
