@@ -52,8 +52,8 @@ SC21_ROWS = [("gpt-1.7b", 1, 1, 32, 512, 137), ("gpt-3.6b", 2, 1, 64, 512, 138),
 KORTHIKANTI = ("Korthikanti et al., Reducing Activation Recomputation in Large Transformer Models (MLSys 2023, "
                "arXiv 2205.05198), abstract: the 530B GPT on 2,240 A100s at 54.2% MFU with sequence parallelism and "
                "selective recompute, 42.1% with full recompute (MFU of 312 TFLOP/s)")
-KORTHIKANTI_BATCH = ("(t, p) = (8, 35) as SC'21's and MT-NLG's 530B runs (d = 8); the abstract gives no batch: 2,240 "
-                     "is assumed, a multiple of p that the interleaved schedule needs (1,920 is not; 2,520 predicts "
+KORTHIKANTI_BATCH = ("the abstract gives neither (t, p) nor the batch: (t, p, d) = (8, 35, 8) is assumed, as MT-NLG's "
+                     "run on 2,240 GPUs and SC'21's 530B row; the batch 2,240 is assumed, a multiple of p that the interleaved schedule needs (1,920 is not; 2,520 predicts "
                      "within 1% of 2,240)")
 
 ROWS = [Published(f"SC'21 {n}", BUILTIN[n], DGX_A100, g, B, t, p, tf, "hardware", "full", SC21)
