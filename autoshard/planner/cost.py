@@ -13,6 +13,7 @@ Per microbatch of b sequences on one pipeline chunk (L / (p v) layers):
   forward; memory-bound ops (norms, pointwise, softmax) at HBM bandwidth;
 - tensor parallelism: two all-reduces of the residual stream (b s h) per layer forward, two backward,
   two more when the forward is recomputed, on the tp group's link; not overlapped (Megatron's are not);
+  the first rank adds the vocab-parallel embedding's all-reduce, the last the loss's two small ones;
 - the pipeline: ``(m + (p - 1) / v)`` chunk-rounds of the slowest rank, so the bubble is
   ``(p - 1) / (v m)`` of the ideal; each boundary a send forward and one backward, exposed;
 - data parallelism: the gradients' ring all-reduce (fp32 main grads) on the dp group's link, less the
@@ -185,9 +186,14 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     last_extra = 3 * head_f                      # the LM head and the loss, forward and backward, last rank
     per_micro = layers_per_rank * (3 * f_layer) + (last_extra if p == 1 else 0)
     per_micro_last = layers_per_rank * (3 * f_layer) + last_extra
-    slowest = max(per_micro, per_micro_last) if p > 1 else per_micro
-    recompute = layers_per_rank * f_recompute
+    embedding, loss = _vocab_parallel_seconds(shape, cluster, c, tokens)
+    # (compute, tp collectives) of a microbatch on the first, a middle and the last rank: the first adds
+    # the embedding's collective, the last its loss's; the slowest of them paces the pipeline
     tp = layers_per_rank * tp_layer
+    stages = ([(per_micro, tp + embedding + loss)] if p == 1 else
+              [(per_micro, tp + embedding), (per_micro, tp), (per_micro_last, tp + loss)])
+    slowest, tp = max(stages, key=sum)
+    recompute = layers_per_rank * f_recompute
     round_time = slowest + recompute + tp        # one microbatch through this rank, all its chunks
     compute = m * slowest
     bubble = (p - 1) / v * round_time
@@ -206,6 +212,20 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     breakdown = Breakdown(compute, m * recompute, m * tp + norms, bubble, p2p, dp_comm, optimizer)
     return Prediction(c, breakdown.total, breakdown, _memory(shape, cluster, c, flash),
                       shape.model_flops(c.global_batch * s))
+
+
+def _vocab_parallel_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: float) -> tuple:
+    """(first rank, last rank) seconds a microbatch spends in the vocab-parallel embedding's and loss's
+    tp collectives: the embedding's output summed over tp (an all-reduce of the stream, a reduce-scatter
+    under SP), and the loss's two all-reduces of a few floats a token (the logits' row max, then the
+    exp-sums and the target's logit; ``runtime/losses.py``). Latency-bound: nothing on NVLink, a few ms a
+    step on a CPU host's gloo."""
+    if c.tp == 1:
+        return 0.0, 0.0
+    link = cluster.link(c.tp, 1)
+    embedding = ring_all_reduce_seconds(BF16 * tokens * shape.hidden, c.tp, link) / (2 if c.sp else 1)
+    loss = ring_all_reduce_seconds(FP32 * tokens, c.tp, link) + ring_all_reduce_seconds(2 * FP32 * tokens, c.tp, link)
+    return embedding, loss
 
 
 def _shared_cores(cluster: Cluster, m: int, p: int, v: int, slowest: float, mean: float, extra: float) -> tuple:
