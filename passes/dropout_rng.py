@@ -3,9 +3,10 @@
 ``dropout(x, p, train=True)`` becomes ``x * dropout_keep(seed, shape, p, stream)`` (``kernels/rng.py``):
 one seed per forward, drawn in the graph from torch's generator on x's device, and one stream per
 dropout site. A fusion group then draws the mask inside its kernel and its backward kernel draws it
-again, so neither the mask nor a bool tensor is kept for backward. A dropout on an even tp shard was
-already rewritten by ``sharded_dropout`` (the single device's mask, sliced); one on another shard stays
-torch's ``dropout``, which this rewrite does not model; the fusion report says so.
+again, so neither the mask nor a bool tensor is kept for backward. A dropout on a tp shard was
+already rewritten by ``sharded_dropout`` (the single device's mask, its part kept); one still on a
+shard here (none that the placements make today) stays torch's ``dropout``, which this rewrite does not
+model; the fusion report says so.
 """
 from __future__ import annotations
 

@@ -14,10 +14,14 @@ the random numbers of the whole tensor on every rank (t times its own part's), d
 only the scaled slice is kept for backward. Megatron's model-parallel RNG tracker gives each rank its own
 seed instead, which is cheaper but draws masks no single device would.
 
-Only even shards (one block, a dimension tp divides); a blocked or uneven shard stays torch's dropout
-and the fusion report says so. SDPA's own ``dropout_p`` draws inside the attention op: the pass before
-this one (``sdpa_dropout``) writes such a call out on CPU, with an explicit dropout that this pass then
-rewrites like any other. After ``tp_rewrite`` (the placements are local there), before the
+Any tp shard: one even block; several blocks (a sequence shard seen through a ``[b*s, h]`` reshape, as
+OPT's MLP flattens the stream, holds one range of each of the ``b`` blocks: the ranges are sliced and
+concatenated); or a padded dim (the padding's mask is zero). Had such a dropout stayed torch's, its
+ranks would draw the same pattern over their parts, and draw fewer numbers than the single device, so
+every later mask would differ too: a wrong result that no error announces.
+
+SDPA's own ``dropout_p`` draws inside the attention op: the pass before this one (``sdpa_dropout``)
+writes such a call out on CPU, with an explicit dropout that this pass then rewrites like any other. After ``tp_rewrite`` (the placements are local there), before the
 recompute passes (which tag the new nodes with their region: a recompute restores the RNG state, so it
 draws the same mask again) and before ``fuse``'s philox rewrite of the replicated dropouts.
 """
@@ -27,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.ir import meta as M
-from autoshard.ir.placement import Replicate, Shard
+from autoshard.ir.placement import Replicate, Shard, local_size, shard_range, shardable
 from autoshard.passes.dropout_rng import dropout_args
 
 aten = torch.ops.aten
@@ -53,6 +57,32 @@ def _even_shard(spec, shape, t: int):
     return pl.dim
 
 
+def _held(spec, shape, t: int, rank: int):
+    """``(dim, [(start, stop), ...], local length)``: the global ranges of ``shape[dim]`` this rank holds
+    under ``spec``'s tp shard (one range a block: a sequence shard seen through a ``[b*s, h]`` reshape
+    is ``b`` blocks; the last rank of a padded dim holds fewer real rows than its local length), or
+    None where the tensor is not sharded over tp."""
+    pl = spec.on("tp") if spec is not None else None
+    if not isinstance(pl, Shard) or shape is None or not shardable(shape[pl.dim], t, pl.blocks, allow_pad=True):
+        return None
+    n = shape[pl.dim]
+    return pl.dim, shard_range(n, t, rank, pl.blocks), local_size(n, t, pl.blocks)
+
+
+def _own_part(g: fx.Graph, mask: fx.Node, dim: int, ranges: list, length: int, ndim: int) -> tuple:
+    """``(part, steps)``: this rank's part of the whole tensor's ``mask`` (its ranges along ``dim``,
+    concatenated, padded with zeros up to the local ``length``: a padded shard's padding is dropped,
+    whatever it holds), and the nodes between, each with its length along ``dim``."""
+    steps = [(g.call_function(aten.slice.Tensor, (mask, dim, a, b)), b - a) for a, b in ranges]
+    real = sum(b - a for a, b in ranges)
+    if len(steps) > 1:
+        steps.append((g.call_function(aten.cat.default, ([s for s, _ in steps], dim)), real))
+    if real < length:
+        pad = [0, 0] * (ndim - 1 - dim) + [0, length - real]
+        steps.append((g.call_function(aten.constant_pad_nd.default, (steps[-1][0], pad, 0.0)), length))
+    return steps[-1][0], steps[:-1]
+
+
 def sharded_dropout_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     t, rank = ctx.mesh.tp, ctx.coords["tp"]
     if t == 1:
@@ -65,20 +95,24 @@ def sharded_dropout_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if not train or p == 0.0 or p >= 1.0:
             continue
         spec, shape = M.SPEC.get(x, None), M.GLOBAL_SHAPE.get(x, None)
-        dim = _even_shard(spec, shape, t)
-        if dim is None:
+        held = _held(spec, shape, t, rank)
+        if held is None:
             continue
-        length = shape[dim] // t
+        dim, ranges, length = held
         whole = spec.with_axis("tp", Replicate())
+        local = M.LOCAL_SHAPE.get(n)
         with g.inserting_before(n):
             full = g.call_function(aten.new_empty.default, (x, list(shape)))
             mask = g.call_function(aten.bernoulli.p, (full, 1.0 - p))
-            part = g.call_function(aten.slice.Tensor, (mask, dim, rank * length, (rank + 1) * length))
+            part, steps = _own_part(g, mask, dim, ranges, length, len(shape))
             noise = g.call_function(aten.div.Tensor, (part, 1.0 - p))
             out = g.call_function(aten.mul.Tensor, (x, noise))
-        local = M.LOCAL_SHAPE.get(n)
         like = x.meta.get("val")
         dtype = like.dtype if isinstance(like, torch.Tensor) else torch.float32
+        for node, size in steps:            # pieces of the whole mask, replicated: shapes of their own
+            piece = list(shape)
+            piece[dim] = size
+            like_node(node, n, whole, piece, piece, False, dtype)
         for node, node_spec, glob, loc, grad in ((full, whole, shape, shape, False), (mask, whole, shape, shape, False),
                                                 (part, spec, shape, local, False), (noise, spec, shape, local, False),
                                                 (out, M.SPEC.get(n), M.GLOBAL_SHAPE.get(n), local,
