@@ -32,8 +32,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from autoshard.ir.errors import InputError
 from autoshard.ir.partial_grads import sum_over_tp
-from autoshard.ir.placement import Shard
+from autoshard.ir.placement import Shard, local_size, shard_range
 from autoshard.runtime import fused_optim
 from autoshard.runtime.layout import gather_full, take_shard
 
@@ -255,7 +256,26 @@ class ShardedParameters(nn.Module):
                 return local.full_tensor()
             local = local.to_local()
         if isinstance(pl, Shard):
-            return gather_full(local, pl.dim, r.global_shape[pl.dim], self.tp, pl.blocks, "gather")
+            n = r.global_shape[pl.dim]
+            return gather_full(self._padded(name, local, pl, n), pl.dim, n, self.tp, pl.blocks, "gather")
+        return local
+
+    def _padded(self, name: str, local: torch.Tensor, pl: Shard, n: int) -> torch.Tensor:
+        """``local`` checked against this rank's shard of ``name`` (before the all-gather, where a wrong size
+        would abort every rank), and the last rank's short chunk of a padded dim (a vocab of 97 over 2
+        ranks holds 49 and 48 rows) padded to the others' length, as the all-gather needs."""
+        real = sum(b - a for a, b in shard_range(n, self.tp.size, self.tp.rank, pl.blocks))
+        chunk = local_size(n, self.tp.size, pl.blocks)
+        want = list(self.records[name].global_shape)
+        want[pl.dim] = real
+        if local.dim() != len(want) or any(a != b for i, (a, b) in enumerate(zip(local.shape, want)) if i != pl.dim) \
+                or local.shape[pl.dim] not in (real, chunk):
+            raise InputError(f"gather('{name}'): this tp rank holds a shard of shape {tuple(want)} of the parameter's "
+                             f"{tuple(self.records[name].global_shape)}, got a tensor of shape {tuple(local.shape)}: pass "
+                             "this rank's own shard of that parameter (or its gradient), p.grad or p.grad.to_local()")
+        if local.shape[pl.dim] < chunk:
+            pad = [0, 0] * (local.dim() - 1 - pl.dim) + [0, chunk - local.shape[pl.dim]]
+            local = F.pad(local, pad)
         return local
 
     # --- checkpoints ------------------------------------------------------------------------------------
