@@ -182,10 +182,13 @@ class CompileOptions:
         if self.mixed_precision not in (None, "bf16"):
             raise ValueError(f"mixed_precision={self.mixed_precision!r}: the supported value is 'bf16' (fp32 "
                              "parameters and gradients, bf16 compute, fp32 loss reductions), or None")
+        # the planner's names for them (Plan.recompute, plan.md): "full" is True, "none" False
+        self.recompute = {"full": True, "none": False}.get(self.recompute, self.recompute) \
+            if isinstance(self.recompute, str) else self.recompute
         if self.recompute not in (True, False, "auto", "selective"):
-            raise ValueError(f"recompute={self.recompute!r}: True (every layer keeps only its input and runs "
-                             "again in backward), 'selective' (each attention's core runs again), False, or "
-                             "'auto' (as the model's is_gradient_checkpointing)")
+            raise ValueError(f"recompute={self.recompute!r}: True or 'full' (every layer keeps only its input and "
+                             "runs again in backward), 'selective' (each attention's core runs again), False or "
+                             "'none', or 'auto' (as the model's is_gradient_checkpointing)")
         if self.recompute_stages is not None:
             stages = self.recompute_stages
             if isinstance(stages, int) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0

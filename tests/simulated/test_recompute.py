@@ -98,6 +98,9 @@ def test_a_plain_model_is_not_recomputed_and_the_dump_says_what_is(tmp_path):
     assert "## Activation recompute" in text and "2 regions run again in backward" in text
     with pytest.raises(ValueError, match="recompute='yes'"):
         autoshard.CompileOptions(recompute="yes")
+    # the planner's names (Plan.recompute, plan.md's "recompute=full") are accepted as they are printed
+    assert autoshard.CompileOptions(recompute="full").recompute is True
+    assert autoshard.CompileOptions(recompute="none").recompute is False
 
 
 class _CountingBlock(torch.nn.Module):
