@@ -13,7 +13,8 @@ Per microbatch of b sequences on one pipeline chunk (L / (p v) layers):
   forward; memory-bound ops (norms, pointwise, softmax) at HBM bandwidth;
 - tensor parallelism: two all-reduces of the residual stream (b s h) per layer forward, two backward,
   two more when the forward is recomputed, on the tp group's link; not overlapped (Megatron's are not);
-  the first rank adds the vocab-parallel embedding's all-reduce, the last the loss's two small ones;
+  the first rank adds the vocab-parallel embedding's all-reduce, the last the LM head's input gradient's
+  and the loss's two small ones;
 - the pipeline: ``(m + (p - 1) / v)`` chunk-rounds of the slowest rank, so the bubble is
   ``(p - 1) / (v m)`` of the ideal; each boundary a send forward and one backward, exposed;
 - data parallelism: the gradients' ring all-reduce (fp32 main grads) on the dp group's link, less the
@@ -165,7 +166,7 @@ def activation_bytes_per_layer(shape: ModelShape, b: int, t: int, recompute: str
     s, h, a = shape.seq, shape.hidden, shape.heads
     if recompute == "full":
         return 2.0 * s * b * h / (t if sp else 1)
-    ffn_scale = shape.ffn * (3 if shape.gated else 2) / (8 * h)     # 1 for GPT's 4h two-matrix MLP
+    ffn_scale = shape.active_ffn * (3 if shape.gated else 2) / (8 * h)     # 1 for GPT's 4h two-matrix MLP
     per_token = 10 / (t if sp else 1) + 24 / t * (0.5 + 0.5 * ffn_scale)
     if sp and t > 1 and sp != "regather":
         per_token += 4 * (1 - 1 / t)
@@ -215,17 +216,19 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
 
 
 def _vocab_parallel_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: float) -> tuple:
-    """(first rank, last rank) seconds a microbatch spends in the vocab-parallel embedding's and loss's
-    tp collectives: the embedding's output summed over tp (an all-reduce of the stream, a reduce-scatter
-    under SP), and the loss's two all-reduces of a few floats a token (the logits' row max, then the
-    exp-sums and the target's logit; ``runtime/losses.py``). Latency-bound: nothing on NVLink, a few ms a
-    step on a CPU host's gloo."""
+    """(first rank, last rank) seconds a microbatch spends in the tp collectives at the two ends of the
+    model, outside its layers. The first rank's vocab-parallel embedding sums its output over tp: an
+    all-reduce of the stream (under SP a reduce-scatter, whose backward all-gathers: the same bytes). The
+    last rank's LM head is column-parallel: its input's gradient is summed in backward (under SP its
+    input is gathered forward and the gradient reduce-scattered back), and the loss adds two
+    all-reduces of a few floats a token (the logits' row max, then the exp-sums and the target's logit;
+    ``runtime/losses.py``), latency-bound: nothing on NVLink, a few ms a step on a CPU host's gloo."""
     if c.tp == 1:
         return 0.0, 0.0
     link = cluster.link(c.tp, 1)
-    embedding = ring_all_reduce_seconds(BF16 * tokens * shape.hidden, c.tp, link) / (2 if c.sp else 1)
+    stream = ring_all_reduce_seconds(BF16 * tokens * shape.hidden, c.tp, link)
     loss = ring_all_reduce_seconds(FP32 * tokens, c.tp, link) + ring_all_reduce_seconds(2 * FP32 * tokens, c.tp, link)
-    return embedding, loss
+    return stream, stream + loss
 
 
 def _shared_cores(cluster: Cluster, m: int, p: int, v: int, slowest: float, mean: float, extra: float) -> tuple:
@@ -255,20 +258,18 @@ def _layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: fl
     """(forward seconds of one layer for one microbatch, its recompute seconds, its tp collectives'
     seconds over forward, backward and recompute)."""
     t, h, s = c.tp, shape.hidden, shape.seq
-    ffn_out = shape.ffn * (2 if shape.gated else 1)
-    gemms = (cluster.gemm_seconds(tokens, (h + 2 * shape.kv_width) / t, h)       # q, k, v
-             + cluster.gemm_seconds(tokens, h, h / t)                            # attention output
-             + cluster.gemm_seconds(tokens, ffn_out / t, h)                      # MLP up (and gate)
-             + cluster.gemm_seconds(tokens, h, shape.ffn / t))                   # MLP down
+    gemms = (cluster.gemm_seconds(tokens, (shape.q_width + 2 * shape.kv_width) / t, h)   # q, k, v
+             + cluster.gemm_seconds(tokens, h, shape.q_width / t)                        # attention output
+             + _mlp_seconds(shape, cluster, tokens, t))
     heads = c.b * shape.heads / t
     core = cluster.gemm_seconds(s, s, shape.head_dim, count=2 * heads)          # Q K^T and P V
     # memory-bound ops: two norms, two dropout + residual adds on the whole stream; the activation on
     # the MLP's width and the attention's softmax (an s x s matrix per head unless flash keeps none)
     stream = BF16 * tokens * h * 14
-    sharded = BF16 * tokens * (4 * ffn_out + 6 * h) / t
+    sharded = BF16 * tokens * (4 * shape.active_ffn * (2 if shape.gated else 1) + 6 * h) / t
     softmax = 0 if flash else BF16 * 4 * c.b * shape.heads * s * s / t
     core += _pointwise(cluster, softmax) + c.b * shape.heads * s * s / t / cluster.transcendental_rate
-    activation = tokens * shape.ffn / t / cluster.transcendental_rate
+    activation = tokens * shape.active_ffn / t / cluster.transcendental_rate
     forward = _with_host(cluster, gemms + core + _pointwise(cluster, stream + sharded) + activation, OPS_PER_LAYER)
     link = cluster.link(t, 1)
     one = ring_all_reduce_seconds(BF16 * tokens * h, t, link)
@@ -277,6 +278,22 @@ def _layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: fl
         collectives += one                             # all-gather each, half an all-reduce's traffic
     again = {"full": forward, "selective": core}.get(c.recompute, 0.0)
     return forward, again, collectives
+
+
+def _mlp_seconds(shape: ModelShape, cluster: Cluster, tokens: float, t: int) -> float:
+    """The MLP's GEMMs over ``tokens``, each matrix's inner width split t ways: a dense MLP's up (and
+    gate) and down; an MoE's router, then each expert on its share of the routed tokens (top-k of the
+    experts each, evenly spread: smaller GEMMs than a dense MLP's), and the shared experts on every token."""
+    h, up = shape.hidden, 2 if shape.gated else 1
+
+    def dense(rows, width, count=1.0):
+        return (cluster.gemm_seconds(rows, up * width / t, h, count)            # up (and gate)
+                + cluster.gemm_seconds(rows, h, width / t, count))              # down
+    if shape.experts == 1:
+        return dense(tokens, shape.ffn)
+    routed = tokens * shape.experts_per_token / shape.experts
+    return (cluster.gemm_seconds(tokens, shape.experts, h) + dense(routed, shape.ffn, shape.experts)
+            + (dense(tokens, shape.shared_ffn) if shape.shared_ffn else 0.0))
 
 
 def _rank_params(shape: ModelShape, c: Candidate) -> float:

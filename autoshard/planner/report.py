@@ -37,7 +37,7 @@ def plan_md(plans: Plans) -> str:
     shape, cluster = plans.shape, plans.cluster
     lines = [f"# Plan: {shape.name} on {plans.gpus} GPUs of {cluster.name}", "",
              f"Model: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads ({shape.kv_heads} kv), "
-             f"MLP {shape.ffn}{' (gated)' if shape.gated else ''}, vocabulary {shape.vocab}, sequence {shape.seq}; "
+             f"{_mlp(shape)}, vocabulary {shape.vocab}, sequence {shape.seq}; "
              f"{shape.params() / 1e9:.2f} B parameters. Global batch {plans.global_batch} sequences.", "",
              f"Cluster: {cluster.gpus_per_node} GPUs a node, {cluster.peak_flops / 1e12:.0f} TFLOP/s peak, "
              f"{cluster.hbm_bytes / 1e9:.0f} GB at {cluster.hbm_bandwidth / 1e12:.2f} TB/s; inside a node "
@@ -102,3 +102,11 @@ def plot_svg(plans: Plans, width: int = 900, height: int = 420) -> str:
             out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="none" stroke="#888"/>')
     out.append("</svg>")
     return "\n".join(out)
+
+
+def _mlp(shape) -> str:
+    gated = " (gated)" if shape.gated else ""
+    if shape.experts == 1:
+        return f"MLP {shape.ffn}{gated}"
+    shared = f" + shared {shape.shared_ffn}" if shape.shared_ffn else ""
+    return f"MoE MLP: {shape.experts} experts of {shape.ffn}{gated}, top-{shape.experts_per_token}{shared}"

@@ -18,26 +18,41 @@ class ModelShape:
     hidden: int
     heads: int
     kv_heads: int
-    ffn: int                  # the MLP's inner width
+    ffn: int                  # the MLP's inner width (an MoE's: one expert's)
     vocab: int
     seq: int
     gated: bool = False       # SwiGLU / GeGLU: three MLP matrices instead of two
     tied: bool = True         # the LM head reuses the embedding
     positions: int = 0        # rows of a learned position table (0: rotary or none)
+    attention_head_dim: int = 0   # a head's width where the config sets it apart from hidden / heads (Gemma)
+    experts: int = 1          # MoE: experts a layer holds (1: a dense MLP)
+    experts_per_token: int = 1    # MoE: experts each token runs through (top-k)
+    shared_ffn: int = 0       # MoE: the inner width of the experts every token runs through (Qwen2-MoE's)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.attention_head_dim or self.hidden // self.heads
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
 
     @property
     def kv_width(self) -> int:
         return self.kv_heads * self.head_dim
 
+    @property
+    def active_ffn(self) -> int:
+        """The MLP width a token runs through: its top-k experts' and the shared ones (the dense MLP's)."""
+        return self.experts_per_token * self.ffn + self.shared_ffn if self.experts > 1 else self.ffn
+
     def layer_params(self) -> int:
-        """Weights of one transformer layer (biases and norms are a rounding error, and counted as 4h)."""
+        """Weights of one transformer layer (biases and norms are a rounding error, and counted as 4h); an
+        MoE layer holds every expert, and its router."""
         h = self.hidden
-        attention = h * (h + 2 * self.kv_width) + h * h
-        mlp = (3 if self.gated else 2) * h * self.ffn
+        attention = h * (self.q_width + 2 * self.kv_width) + self.q_width * h
+        width = self.experts * self.ffn + self.shared_ffn if self.experts > 1 else self.ffn
+        mlp = (3 if self.gated else 2) * h * width + (h * self.experts if self.experts > 1 else 0)
         return attention + mlp + 4 * h
 
     def embedding_params(self) -> int:
@@ -51,10 +66,11 @@ class ModelShape:
         """Forward flops of one layer over ``tokens`` tokens of one sequence length (the GEMMs: the
         projections, the attention scores and values, the MLP), as Megatron-LM's paper counts them."""
         h, s = self.hidden, self.seq
-        projections = 2 * tokens * (h * (h + 2 * self.kv_width) + h * h)
-        attention = 2 * 2 * tokens * s * h
-        mlp = 2 * tokens * (3 if self.gated else 2) * h * self.ffn
-        return projections + attention + mlp
+        projections = 2 * tokens * (h * (self.q_width + 2 * self.kv_width) + self.q_width * h)
+        attention = 2 * 2 * tokens * s * self.q_width
+        mlp = 2 * tokens * (3 if self.gated else 2) * h * self.active_ffn
+        router = 2 * tokens * h * self.experts if self.experts > 1 else 0
+        return projections + attention + mlp + router
 
     def head_forward_flops(self, tokens: float) -> float:
         return 2 * tokens * self.hidden * self.vocab
@@ -96,18 +112,33 @@ def _first(fields: dict, *keys, default=None):
 def _from_hf(fields: dict, seq, name) -> ModelShape:
     hidden = int(_first(fields, "hidden_size", "n_embd", "d_model"))
     heads = int(_first(fields, "num_attention_heads", "n_head"))
-    kv = int(_first(fields, "num_key_value_heads", "multi_query_group_num", default=heads))
-    ffn = int(_first(fields, "intermediate_size", "n_inner", "ffn_dim", default=4 * hidden) or 4 * hidden)
-    activation = str(_first(fields, "hidden_act", "activation_function", default="gelu"))
+    # grouped-query (Llama's name, ChatGLM's, Falcon's new decoder's), or Falcon's classic multi-query
+    kv = int(_first(fields, "num_key_value_heads", "multi_query_group_num", "num_kv_heads", "n_head_kv",
+                    default=heads))
+    if fields.get("multi_query") and not fields.get("new_decoder_architecture"):
+        kv = 1               # Falcon's classic decoder: one k/v head whatever num_kv_heads says
+
+    experts = int(_first(fields, "num_local_experts", "num_experts", "n_routed_experts", default=1) or 1)
+    ffn = int(_first(fields, *(("moe_intermediate_size",) if experts > 1 else ()), "intermediate_size", "n_inner",
+                     "ffn_dim", "ffn_hidden_size", default=4 * hidden) or 4 * hidden)
+    shared = int(fields.get("shared_expert_intermediate_size") or 0) or \
+        int(fields.get("n_shared_experts") or 0) * (ffn if experts > 1 else 0)
+    activation = str(_first(fields, "hidden_act", "hidden_activation", "activation_function", default="gelu"))
     model_type = str(fields.get("model_type", ""))
-    gated = activation in ("silu", "swiglu", "geglu") or model_type in ("llama", "mistral", "mixtral", "qwen2",
-                                                                          "qwen3", "gemma", "gemma2", "phi3")
+    gated = activation in ("silu", "swiglu", "geglu") or model_type in (
+        "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
+        "phi3", "olmo", "olmo2", "deepseek_v2", "deepseek_v3")
     context = int(_first(fields, "max_position_embeddings", "n_positions", "seq_length", default=2048))
     learned = model_type in ("gpt2", "opt", "gpt_bigcode")
+    head_dim = int(fields.get("head_dim") or 0)
     return ModelShape(name or fields.get("_name_or_path") or model_type or "hf",
                       int(_first(fields, "num_hidden_layers", "n_layer")), hidden, heads, kv, ffn,
                       int(_first(fields, "vocab_size")), int(seq or context), gated=gated,
-                      tied=bool(fields.get("tie_word_embeddings", True)), positions=context if learned else 0)
+                      tied=bool(fields.get("tie_word_embeddings", True)), positions=context if learned else 0,
+                      attention_head_dim=head_dim if head_dim and head_dim != hidden // heads else 0,
+                      experts=experts, experts_per_token=int(_first(fields, "num_experts_per_tok", "top_k",
+                                                                    default=1)) if experts > 1 else 1,
+                      shared_ffn=shared if experts > 1 else 0)
 
 
 def _with_seq(shape: ModelShape, seq: int) -> ModelShape:

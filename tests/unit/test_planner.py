@@ -1,6 +1,7 @@
 """The planner (``autoshard/planner/``): its costs against closed forms, the SC'21 paper's takeaways coming
 out of those costs on synthetic clusters, the CLI on a model that has no weights, and a plan trained."""
 import copy
+import dataclasses
 import json
 import math
 
@@ -203,6 +204,36 @@ def test_shapes_from_the_builtin_gpt_on_meta_and_an_hf_config(tmp_path):
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{k: v for k, v in llama.items() if k != "model_type"}))
     real = sum(p.numel() for p in hf.parameters())
     assert abs(model_shape(hf).params() - real) / real < 0.02
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gemma", "falcon", "falcon_new", "qwen3"])
+def test_hf_shapes_count_the_parameters_the_model_has(family):
+    """``model_shape`` of an HF config holds the parameters the model built from it holds (on ``meta``):
+    an MoE layer every expert and its router (Mixtral), shared experts too (Qwen2-MoE); a head width set
+    apart from hidden / heads (Gemma, Qwen3); Falcon's classic multi-query decoder one k/v head whatever
+    ``num_kv_heads`` says, its new decoder the groups it names. A token's flops run through top-k experts."""
+    import transformers as T
+    small = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, vocab_size=512)
+    cfg = {"mixtral": lambda: T.MixtralConfig(**small, intermediate_size=384, num_key_value_heads=2, num_local_experts=4,
+                                              num_experts_per_tok=2),
+           "qwen2_moe": lambda: T.Qwen2MoeConfig(**small, moe_intermediate_size=128, shared_expert_intermediate_size=320,
+                                                 num_experts=6, num_experts_per_tok=2, num_key_value_heads=4),
+           "gemma": lambda: T.GemmaConfig(**small, intermediate_size=512, head_dim=64, num_key_value_heads=1),
+           "falcon": lambda: T.FalconConfig(**small, multi_query=True, num_kv_heads=8),
+           "falcon_new": lambda: T.FalconConfig(**small, new_decoder_architecture=True, num_kv_heads=2),
+           "qwen3": lambda: T.Qwen3Config(**small, intermediate_size=512, head_dim=48, num_key_value_heads=2)}[family]()
+    with torch.device("meta"):
+        model = T.AutoModelForCausalLM.from_config(cfg)
+    real = sum(p.numel() for p in model.parameters())
+    shape = model_shape(cfg, seq=128)
+    assert abs(shape.params() - real) <= 0.01 * real, (shape, real)
+    if family == "falcon":
+        assert shape.kv_heads == 1
+    if shape.experts > 1:      # forward flops of a token: its top-k experts (and the shared ones), not all E
+        dense = dataclasses.replace(shape, experts=1, experts_per_token=1, shared_ffn=0,
+                                    ffn=shape.experts_per_token * shape.ffn + shape.shared_ffn)
+        router = 2 * 128 * shape.hidden * shape.experts
+        assert shape.layer_forward_flops(128) == pytest.approx(dense.layer_forward_flops(128) + router)
 
 
 def test_the_cli_plans_a_model_without_weights(tmp_path, capsys):
