@@ -43,8 +43,16 @@ def formula_fp32(s: int, b: int, h: int, a: int, t: int, variant: str) -> float:
     return s * b * h * (18 + 48 / t + attention)
 
 
+def _step_seconds(pm, x, y) -> float:
+    """Seconds of one forward + backward, with nothing hooked into autograd."""
+    torch.manual_seed(7)
+    start = time.perf_counter()
+    pm(x, y)[1].backward()
+    return time.perf_counter() - start
+
+
 def _saved_bytes(pm, x, y) -> tuple:
-    """(bytes saved for backward by one forward, seconds of forward + backward)."""
+    """(bytes saved for backward by one forward, seconds of forward + backward with the counting hook)."""
     skip = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr() for p in pm.parameters()}
     seen, total = set(skip), [0]
 
@@ -85,14 +93,25 @@ def _rank(rank: int, world: int, args: dict) -> dict:
             saved[layers], _ = _saved_bytes(pm, x, y)
         out[variant] = dict(bytes=saved[2] - saved[1])
         timed[variant] = (pm, [])
-    # the 2-layer programs' steps interleaved (A B C ... A B C ...): the shared host's noise hits all alike
-    for _ in range(args["reps"]):
+    # the 2-layer programs' steps interleaved (A B C ... A B C ...): the shared host's noise hits all alike;
+    # timed without the saved-tensor hook (a Python call per saved tensor), after one untimed round
+    for rep in range(args["reps"] + 1):
         for pm, times in timed.values():
             dist.barrier()
-            times.append(_saved_bytes(pm, x, y)[1])
+            seconds = _step_seconds(pm, x, y)
+            if rep:
+                times.append(seconds)
     for variant, (_, times) in timed.items():
         out[variant]["seconds"] = statistics.median(times)
+        out[variant]["times"] = times
     return out
+
+
+def paired_ratio(times: list, base: list) -> float:
+    """The median over rounds of a variant's step over TP's step in the same round: the two ran back to
+    back, so a slow spell of the shared host slows both, where medians taken apart would each catch it
+    in different rounds."""
+    return statistics.median(t / b for t, b in zip(times, base))
 
 
 def markdown(rows: list, args: dict) -> str:
@@ -101,15 +120,17 @@ def markdown(rows: list, args: dict) -> str:
              f"Built-in GPT, manual attention, dropout 0.1, fp32: s={s}, b={b}, h={h}, a={a}; gloo ranks, 1 thread "
              "each. Bytes are one layer's (a 2-layer model's minus a 1-layer model's), per rank; the formula is "
              "the paper's with fp32 activations and 1-byte masks (`benchmarks/memory.py`). Time: forward + backward "
-             "of the 2-layer model, median of the variants' steps interleaved, against recompute off at the same t.", "",
+             f"of the 2-layer model, {args['reps']} steps of each variant interleaved with the others (after one "
+             "untimed round); *step ms* is the median, *vs TP* the median over rounds of the step over TP's in "
+             "the same round, at the same t.", "",
              "| t | variant | measured KiB | formula KiB | measured / formula | step ms | vs TP |",
              "|---|---|---|---|---|---|---|"]
     for t, result in rows:
-        base = result["TP"]["seconds"]
+        base = result["TP"]["times"]
         for variant, r in result.items():
             want = formula_fp32(s, b, h, a, t, variant)
             lines.append(f"| {t} | {variant} | {r['bytes'] / 1024:.0f} | {want / 1024:.0f} | {r['bytes'] / want:.3f} | "
-                         f"{r['seconds'] * 1e3:.1f} | {r['seconds'] / base:.2f} |")
+                         f"{r['seconds'] * 1e3:.1f} | {paired_ratio(r['times'], base):.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -121,7 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=15, help="timed steps of each variant, interleaved")
     ap.add_argument("--out", default=OUT)
     ns = ap.parse_args(argv)
     args = {k: v for k, v in vars(ns).items() if k not in ("out", "tp")}
