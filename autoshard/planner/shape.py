@@ -86,7 +86,12 @@ def model_shape(model, seq: int | None = None, name: str | None = None) -> Model
     (object, dict or ``config.json`` path) or HF model. ``seq`` defaults to the model's context length."""
     if isinstance(model, ModelShape):
         return model if seq is None else _with_seq(model, seq)
+    if isinstance(model, str) and model in BUILTIN:
+        return model_shape(BUILTIN[model], seq)
     if isinstance(model, (str, os.PathLike)):
+        if not os.path.isfile(model):
+            raise ValueError(f"model {str(model)!r} is neither a built-in ({', '.join(BUILTIN)}) nor a config.json "
+                             "file: pass one of those, an HF config or model, a GPTConfig or a ModelShape")
         with open(model) as f:
             return model_shape(json.load(f), seq, name or os.path.basename(os.path.dirname(os.path.abspath(model))))
     config = getattr(model, "config", model)

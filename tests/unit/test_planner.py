@@ -204,6 +204,9 @@ def test_shapes_from_the_builtin_gpt_on_meta_and_an_hf_config(tmp_path):
         hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{k: v for k, v in llama.items() if k != "model_type"}))
     real = sum(p.numel() for p in hf.parameters())
     assert abs(model_shape(hf).params() - real) / real < 0.02
+    assert model_shape("gpt-1t", seq=1024) == dataclasses.replace(BUILTIN["gpt-1t"], seq=1024)   # a built-in's name
+    with pytest.raises(ValueError, match="'gpt-2t' is neither a built-in .*gpt-1t.* nor a config.json"):
+        model_shape("gpt-2t")
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gemma", "falcon", "falcon_new", "qwen3"])
