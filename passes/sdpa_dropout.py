@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.ir import meta as M
-from autoshard.ir.placement import DistSpec
+from autoshard.ir.placement import DistSpec, Shard
 from autoshard.passes.fusion import _runs_on_cuda
 from autoshard.passes.shapes import module_path
 from autoshard.passes.sharded_dropout import _even_shard, like_node
@@ -51,8 +51,11 @@ def sdpa_dropout_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         a = _sdpa_args(n)
         q = a["query"]
         spec, shape = M.SPEC.get(q, None), M.GLOBAL_SHAPE.get(q, None)
+        if not a["dropout_p"] or spec is None or not isinstance(spec.on("tp"), Shard):
+            continue
         dim = _even_shard(spec, shape, t)
-        if not a["dropout_p"] or dim is None or dim >= len(shape) - 2:
+        if dim is None or dim >= len(shape) - 2:     # rows or a blocked shard: not written out, said so
+            fused.append(module_path(n) or n.name)
             continue
         if a["enable_gqa"] or _runs_on_cuda():
             fused.append(module_path(n) or n.name)
@@ -60,7 +63,7 @@ def sdpa_dropout_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         _spell_out(g, n, a, dim)
         changed = True
     if fused:       # one warning a program, naming the modules
-        why = "on CUDA, SDPA's fused kernels" if _runs_on_cuda() else "grouped-query SDPA"
+        why = "on CUDA, SDPA's fused kernels" if _runs_on_cuda() else "grouped-query SDPA, or a shard of rows"
         shown = ", ".join(f"'{m}'" for m in fused[:4]) + (f" and {len(fused) - 4} more" if len(fused) > 4 else "")
         warnings.warn(f"autoshard: the attention in {shown} ({why}) drops out attention probabilities on a tp shard "
                       "inside the op: each tp rank draws the same mask over its own heads, not one device's mask "

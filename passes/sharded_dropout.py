@@ -71,8 +71,8 @@ def _held(spec, shape, t: int, rank: int):
 
 def _own_part(g: fx.Graph, mask: fx.Node, dim: int, ranges: list, length: int, ndim: int) -> tuple:
     """``(part, steps)``: this rank's part of the whole tensor's ``mask`` (its ranges along ``dim``,
-    concatenated, padded with zeros up to the local ``length``: a padded shard's padding is dropped,
-    whatever it holds), and the nodes between, each with its length along ``dim``."""
+    concatenated, padded with zeros up to the local ``length``: a padded shard's padding, zeros as
+    ``take_shard`` writes it, stays zero), and the nodes between, each with its length along ``dim``."""
     steps = [(g.call_function(aten.slice.Tensor, (mask, dim, a, b)), b - a) for a, b in ranges]
     real = sum(b - a for a, b in ranges)
     if len(steps) > 1:

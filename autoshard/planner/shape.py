@@ -114,7 +114,26 @@ def _first(fields: dict, *keys, default=None):
     return default
 
 
+def _uniform(fields: dict) -> None:
+    """Raise where the config's layers are not alike or its attention is not the planner's: multi-head
+    latent attention (DeepSeek-V2/V3's low-rank q/kv), or dense and MoE layers mixed (DeepSeek's first
+    dense layers, Qwen2-MoE's ``mlp_only_layers`` or sparse step, Jamba's expert period). Priced as
+    uniform layers those came out 27% over their parameters (a small DeepSeek-V3) or 60% under."""
+    why = []
+    if fields.get("kv_lora_rank") or fields.get("q_lora_rank"):
+        why.append("its attention is multi-head latent attention (kv_lora_rank / q_lora_rank)")
+    mixed = [k for k, dense in (("first_k_dense_replace", 0), ("mlp_only_layers", None), ("decoder_sparse_step", 1),
+                                ("expert_layer_period", 1), ("moe_layer_freq", 1))
+             if fields.get(k) not in (None, dense, [], ())]
+    if mixed:
+        why.append(f"its layers mix dense and MoE MLPs ({', '.join(mixed)})")
+    if why:
+        raise ValueError(f"the planner prices every layer alike, but {' and '.join(why)}: pass a "
+                         "ModelShape(...) of a representative layer instead")
+
+
 def _from_hf(fields: dict, seq, name) -> ModelShape:
+    _uniform(fields)
     hidden = int(_first(fields, "hidden_size", "n_embd", "d_model"))
     heads = int(_first(fields, "num_attention_heads", "n_head"))
     # grouped-query (Llama's name, ChatGLM's, Falcon's new decoder's), or Falcon's classic multi-query
@@ -132,7 +151,7 @@ def _from_hf(fields: dict, seq, name) -> ModelShape:
     model_type = str(fields.get("model_type", ""))
     gated = activation in ("silu", "swiglu", "geglu") or model_type in (
         "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
-        "phi3", "olmo", "olmo2", "deepseek_v2", "deepseek_v3")
+        "phi3", "olmo", "olmo2")
     context = int(_first(fields, "max_position_embeddings", "n_positions", "seq_length", default=2048))
     learned = model_type in ("gpt2", "opt", "gpt_bigcode")
     head_dim = int(fields.get("head_dim") or 0)
@@ -141,8 +160,8 @@ def _from_hf(fields: dict, seq, name) -> ModelShape:
                       int(_first(fields, "vocab_size")), int(seq or context), gated=gated,
                       tied=bool(fields.get("tie_word_embeddings", True)), positions=context if learned else 0,
                       attention_head_dim=head_dim if head_dim and head_dim != hidden // heads else 0,
-                      experts=experts, experts_per_token=int(_first(fields, "num_experts_per_tok", "top_k",
-                                                                    default=1)) if experts > 1 else 1,
+                      experts=experts, experts_per_token=min(experts, int(fields.get("num_experts_per_tok") or 1))
+                      if experts > 1 else 1,
                       shared_ffn=shared if experts > 1 else 0)
 
 

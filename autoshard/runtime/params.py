@@ -248,7 +248,9 @@ class ShardedParameters(nn.Module):
     # --- full tensors ---------------------------------------------------------------------------------
     def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The full tensor of which ``local`` is this rank's shard of parameter ``name`` (a collective when
-        the parameter is sharded: every rank must call it). Works for gradients too."""
+        the parameter is sharded: every rank must call it). Works for gradients too. A tensor of another
+        shape is an ``InputError`` on the rank that passed it, before the collective (a rank that passed
+        the right one then waits in the all-gather for it)."""
         r = self.records[name]
         pl = r.spec.tp
         if DTensor is not None and isinstance(local, DTensor):
@@ -258,6 +260,9 @@ class ShardedParameters(nn.Module):
         if isinstance(pl, Shard):
             n = r.global_shape[pl.dim]
             return gather_full(self._padded(name, local, pl, n), pl.dim, n, self.tp, pl.blocks, "gather")
+        if tuple(local.shape) != tuple(r.global_shape):
+            raise InputError(f"gather('{name}'): the parameter is whole on every tp rank, of shape "
+                             f"{tuple(r.global_shape)}, got a tensor of shape {tuple(local.shape)}")
         return local
 
     def _padded(self, name: str, local: torch.Tensor, pl: Shard, n: int) -> torch.Tensor:

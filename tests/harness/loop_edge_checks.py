@@ -292,12 +292,13 @@ def sequence_parallel_with_accumulation(rank, world):
                 got, want = got + float(loss.detach()), want + float(ref_loss.detach())
             if step == 0:
                 grad_err = max(gradient_errors(pm, ref).values())
-                local_gather, wrong_shape = _gather_from_local_shards(pm)
+                local_gather, wrong_shape, uneven = _gather_from_local_shards(pm)
             losses.append(abs(got - want) / abs(want))
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
-        out[how] = dict(losses=losses, grad_err=grad_err, local_gather=local_gather, wrong_shape=wrong_shape)
+        out[how] = dict(losses=losses, grad_err=grad_err, local_gather=local_gather, wrong_shape=wrong_shape,
+                        uneven=uneven)
     return out
 
 
@@ -306,18 +307,23 @@ def _gather_from_local_shards(pm) -> tuple:
     difference (a vocab of 97 over 4 ranks leaves the last one 22 rows where the others hold 25: its
     short chunk aborted gloo's all-gather before ``gather`` padded it), and the error a tensor of the wrong
     shape gets, before any collective."""
-    worst = 0.0
+    worst, uneven = 0.0, 0
     for n, p in pm.named_parameters():
         if p.grad is not None:
             local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
             worst = max(worst, float((pm.gather(n, local) - pm.gather(n, p.grad)).abs().max()))
+            # a padded shard (a last chunk shorter than the others), set against DTensor's own full_tensor:
+            # the case that aborted gloo
+            record = pm.params.records[n]
+            dim = getattr(record.spec.tp, "dim", None)
+            uneven += hasattr(p.grad, "to_local") and dim is not None and record.global_shape[dim] % pm.params.tp.size > 0
     name = next(n for n, p in pm.named_parameters() if p.dim() == 2)
     try:
         pm.gather(name, torch.zeros(3, 5))
         message = None
     except InputError as e:
         message = str(e)
-    return worst, message
+    return worst, message, uneven
 
 
 def _opt_with_dropout(p: float):

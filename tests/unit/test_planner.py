@@ -207,6 +207,10 @@ def test_shapes_from_the_builtin_gpt_on_meta_and_an_hf_config(tmp_path):
     assert model_shape("gpt-1t", seq=1024) == dataclasses.replace(BUILTIN["gpt-1t"], seq=1024)   # a built-in's name
     with pytest.raises(ValueError, match="'gpt-2t' is neither a built-in .*gpt-1t.* nor a config.json"):
         model_shape("gpt-2t")
+    # layers the planner cannot price alike are an error that says why, not a shape off by a quarter
+    deepseek = dict(llama, model_type="deepseek_v3", kv_lora_rank=512, n_routed_experts=8, first_k_dense_replace=1)
+    with pytest.raises(ValueError, match="multi-head latent attention .* mix dense and MoE MLPs \\(first_k_dense"):
+        model_shape(deepseek)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gemma", "falcon", "falcon_new", "qwen3"])
