@@ -97,7 +97,8 @@ def theirs(row: Published):
     d = row.gpus // (row.tp * row.pp)
     limit = row.cluster.hbm_bytes * row.cluster.usable_memory
     preds = [predict(row.shape, row.cluster, c, row.flash) for c in candidates(row.shape, row.gpus, row.global_batch)
-             if (c.tp, c.pp, c.dp, c.recompute) == (row.tp, row.pp, d, row.recompute) and c.sp == row.sp]
+             if (c.tp, c.pp, c.dp, c.recompute) == (row.tp, row.pp, d, row.recompute) and c.sp == row.sp
+             and not c.zb]           # the published runs predate zero-bubble schedules
     fitting = [q for q in preds if q.memory.total <= limit]
     return min(fitting or preds, key=lambda q: q.step_seconds) if preds else None, bool(fitting)
 

@@ -16,7 +16,9 @@ Per microbatch of b sequences on one pipeline chunk (L / (p v) layers):
   the first rank adds the vocab-parallel embedding's all-reduce, the last the LM head's input gradient's
   and the loss's two small ones;
 - the pipeline: ``(m + (p - 1) / v)`` chunk-rounds of the slowest rank, so the bubble is
-  ``(p - 1) / (v m)`` of the ideal; each boundary a send forward and one backward, exposed;
+  ``(p - 1) / (v m)`` of the ideal; under ZB-H1 each backward is split and its weight gradients (a
+  third of the round) fill the bubble: ``(p - 1)(T_F + T_B - T_W)``, Qi et al.'s; each boundary a send
+  forward and one backward, exposed;
 - data parallelism: the gradients' ring all-reduce (fp32 main grads) on the dp group's link, less the
   part hidden behind the last microbatch's backward (as ``runtime/data_parallel.py`` overlaps it);
   ZeRO-1 adds the parameters' all-gather after the optimizer step and divides the optimizer's work.
@@ -61,6 +63,8 @@ class Candidate:
     zero: int = 0             # 1: the optimizer state sharded over dp (ZeRO-1)
     sp: bool | str = False    # sequence parallelism: the stream sharded along the sequence over tp
                               # ("regather": the column-parallel inputs kept as shards, gathered again)
+    zb: bool = False          # ZB-H1 (v = 1, p > 1): each backward split into B and W, W filling 1F1B's
+                              # bubbles (Qi et al., ICLR 2024), at 1F1B's activation memory
 
     @property
     def gpus(self) -> int:
@@ -68,6 +72,8 @@ class Candidate:
 
     @property
     def schedule(self) -> str:
+        if self.zb:
+            return "zb-h1"
         return "1f1b" if self.pp == 1 or self.v == 1 else "interleaved"
 
     @property
@@ -196,11 +202,15 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     slowest, tp = max(stages, key=sum)
     recompute = layers_per_rank * f_recompute
     round_time = slowest + recompute + tp        # one microbatch through this rank, all its chunks
+    # a round's part that the pipeline's fill and drain cannot overlap: all of it under 1F1B and the
+    # interleaved schedule; under ZB-H1 the weight gradients (W, as long as the forward's GEMMs: a third
+    # of the layers' compute) fill the bubble, which leaves the paper's (p - 1)(T_F + T_B - T_W)
+    idle_round = round_time - (2 * slowest / 3 if c.zb else 0.0)
     compute = m * slowest
-    bubble = (p - 1) / v * round_time
+    bubble = (p - 1) / v * idle_round
     if p > 1 and cluster.oversubscription > 1:
         compute, bubble = _shared_cores(cluster, m, p, v, slowest, (per_micro * (p - 1) + per_micro_last) / p,
-                                        recompute + tp)
+                                        recompute + tp, idle_round)
     p2p = 0.0
     if p > 1:
         link = cluster.link(p, t)
@@ -231,15 +241,17 @@ def _vocab_parallel_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, t
     return stream, stream + loss
 
 
-def _shared_cores(cluster: Cluster, m: int, p: int, v: int, slowest: float, mean: float, extra: float) -> tuple:
+def _shared_cores(cluster: Cluster, m: int, p: int, v: int, slowest: float, mean: float, extra: float,
+                  idle_round: float) -> tuple:
     """(compute, bubble) of a pipeline whose ranks share cores (``cluster.oversubscription`` ranks a
     core, each measured rate a rank's share). A rank idle in the bubble lends its core, so the step is
     the longer of two bounds: the host's whole work at the shared rate (``m`` rounds of the mean rank),
-    and the critical path, ``m + (p - 1) / v`` rounds of the slowest rank at the unshared rate. Compute
+    and the critical path at the unshared rate: ``m`` rounds of the slowest rank and ``(p - 1) / v`` of
+    the part of a round the fill and drain leave idle (``idle_round``: all of it but ZB-H1's W). Compute
     is then the mean rank's; the bubble is what the critical path adds over the host's work (the stages'
     imbalance included)."""
     busy = m * (mean + extra)
-    critical = (m + (p - 1) / v) * (slowest + extra) / cluster.oversubscription
+    critical = (m * (slowest + extra) + (p - 1) / v * idle_round) / cluster.oversubscription
     return m * mean, max(0.0, critical - busy)
 
 

@@ -13,20 +13,20 @@ from autoshard.planner.search import GiB, Plan, Plans, usable_bytes
 
 def table(plans: Plans) -> str:
     """The ranked plans as a markdown table (the winner first), then the faster ones that do not fit."""
-    rows = ["| # | dp | pp | tp | SP | b | m | v | recompute | ZeRO | step s | TFLOP/s/GPU | GiB/GPU | why |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| # | dp | pp | tp | SP | b | m | v | schedule | recompute | ZeRO | step s | TFLOP/s/GPU | GiB/GPU | why |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, p in enumerate(plans.ranked, 1):
         rows.append(_row(str(i), p))
     if plans.too_big:
         rows += ["", "Faster, but out of memory:", "",
-                 "| | dp | pp | tp | SP | b | m | v | recompute | ZeRO | step s | TFLOP/s/GPU | GiB/GPU | why |",
-                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                 "| | dp | pp | tp | SP | b | m | v | schedule | recompute | ZeRO | step s | TFLOP/s/GPU | GiB/GPU | why |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         rows += [_row("-", p) for p in plans.too_big]
     return "\n".join(rows)
 
 
 def _row(rank: str, p: Plan) -> str:
-    return (f"| {rank} | {p.dp} | {p.pp} | {p.tp} | {'regathered' if p.sp == 'regather' else 'yes' if p.sp else 'no'} | {p.b} | {p.m} | {p.v} | {p.recompute} | {p.zero} | "
+    return (f"| {rank} | {p.dp} | {p.pp} | {p.tp} | {'regathered' if p.sp == 'regather' else 'yes' if p.sp else 'no'} | {p.b} | {p.m} | {p.v} | {p.schedule} | {p.recompute} | {p.zero} | "
             f"{p.step_seconds:.3f} | {p.tflops_per_gpu:.1f} | {p.memory_bytes / GiB:.1f} | {p.why} |")
 
 

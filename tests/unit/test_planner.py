@@ -37,6 +37,28 @@ def test_the_bubble_is_p_minus_1_over_v_m(p, m, v):
     assert bubble_fraction(p, m, v) == (p - 1) / (v * m)
 
 
+@pytest.mark.parametrize("p,m", [(4, 8), (8, 32), (2, 2)])
+def test_zb_h1_leaves_a_third_of_the_1f1b_bubble(p, m):
+    """ZB-H1 (Qi et al.): W, as long as the forward (a third of a round), fills the bubble, which leaves
+    (p - 1)(T_F + T_B - T_W): a third of 1F1B's (p - 1)(T_F + T_B + T_W), at 1F1B's memory."""
+    one, zb = (predict(SMALL_VOCAB, FREE_LINKS, Candidate(dp=1, pp=p, tp=1, b=1, m=m, zb=z)) for z in (False, True))
+    assert zb.breakdown.bubble == pytest.approx(one.breakdown.bubble / 3, rel=1e-9)
+    assert zb.breakdown.compute == one.breakdown.compute and zb.memory.total == one.memory.total
+    assert zb.candidate.schedule == "zb-h1"
+
+
+def test_the_planner_offers_zb_h1_where_a_bubble_is_idle_time():
+    """On a GPU cluster the pipelined plans run ZB-H1 (``parallelize(plan=p)`` gets schedule="zb-h1");
+    where ranks share cores (a CPU host) an idle rank already lends its core, so ZB-H1 is not offered."""
+    plans = plan(BUILTIN["gpt-39b"], 512, DGX_A100, 1536, top=3)
+    piped = [p for p in plans.priced if p.pp > 1 and p.v == 1]
+    assert {p.schedule for p in piped} == {"1f1b", "zb-h1"}
+    best = min((p for p in piped if p.fits), key=lambda p: p.step_seconds)
+    assert best.schedule == "zb-h1" and best.parallelize_options()["schedule"] == "zb-h1"
+    shared = plan(BUILTIN["gpt-1.7b"], 8, DGX_A100.with_(oversubscription=2.0), 64, top=1)
+    assert "zb-h1" not in {p.schedule for p in shared.priced}
+
+
 @pytest.mark.parametrize("share", [1.5, 2.0, 4.0])
 def test_ranks_sharing_cores_fill_the_bubble(share):
     """On a host with ``share`` ranks a core, a rank idle in the bubble lends its core: the step is the
