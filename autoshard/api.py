@@ -389,7 +389,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     ``options=`` instead to give it whole.
 
     With a ``pp`` axis in the mesh (or ``microbatches`` given), train with ``pm.step(*batch)``, which
-    splits the whole batch into ``microbatches`` and runs ``schedule`` ("gpipe", "1f1b" or "interleaved" with ``virtual_stages`` chunks per rank), with stages
+    splits the whole batch into ``microbatches`` and runs ``schedule`` ("gpipe", "1f1b", "interleaved" with
+    ``virtual_stages`` chunks per rank, the zero-bubble "zb-h1", "zb-h2" and "zb-v", or "auto"), with stages
     cut by the cost model or at ``pipeline_cuts`` (layer indices), within ``memory_limit`` bytes per rank.
     With a ``dp`` axis each dp rank passes its own rows of the global batch (``autoshard.local_batch``)
     and ``pm.step`` returns the global batch's loss; ``zero=1`` makes ``pm.optimizer(cls, ...)`` shard

@@ -16,9 +16,10 @@ Per microbatch of b sequences on one pipeline chunk (L / (p v) layers):
   the first rank adds the vocab-parallel embedding's all-reduce, the last the LM head's input gradient's
   and the loss's two small ones;
 - the pipeline: ``(m + (p - 1) / v)`` chunk-rounds of the slowest rank, so the bubble is
-  ``(p - 1) / (v m)`` of the ideal; under ZB-H1 each backward is split and its weight gradients (a
-  third of the round) fill the bubble: ``(p - 1)(T_F + T_B - T_W)``, Qi et al.'s; each boundary a send
-  forward and one backward, exposed;
+  ``(p - 1) / (v m)`` of the ideal; under ZB-H1 each backward is split and its weight gradients (the
+  layers' weight GEMMs again) fill the bubble: ``(p - 1)(T_F + T_B - T_W)``, Qi et al.'s (a third of
+  1F1B's where the layers are all GEMMs, without recompute or tp collectives; more otherwise); each
+  boundary a send forward and one backward, exposed;
 - data parallelism: the gradients' ring all-reduce (fp32 main grads) on the dp group's link, less the
   part hidden behind the last microbatch's backward (as ``runtime/data_parallel.py`` overlaps it);
   ZeRO-1 adds the parameters' all-gather after the optimizer step and divides the optimizer's work.
@@ -66,6 +67,10 @@ class Candidate:
     zb: bool = False          # ZB-H1 (v = 1, p > 1): each backward split into B and W, W filling 1F1B's
                               # bubbles (Qi et al., ICLR 2024), at 1F1B's activation memory
 
+    def __post_init__(self):
+        if self.zb and (self.pp == 1 or self.v != 1):
+            raise ValueError(f"ZB-H1 needs a pipeline of one chunk a rank: pp={self.pp}, v={self.v}")
+
     @property
     def gpus(self) -> int:
         return self.dp * self.pp * self.tp
@@ -87,7 +92,7 @@ class Breakdown:
     compute: float            # forward and backward of every microbatch, without recompute
     recompute: float          # the forwards run again in backward
     tp_comm: float            # exposed tensor-parallel collectives
-    bubble: float             # the pipeline's idle time: (p - 1) / v chunk-rounds
+    bubble: float             # the pipeline's idle time: (p - 1) / v chunk-rounds (less ZB-H1's W)
     p2p: float                # pipeline boundary sends, exposed
     dp_comm: float            # data-parallel gradient collectives not hidden behind backward
     optimizer: float          # the optimizer step (memory-bound)
@@ -187,7 +192,7 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     s, h = shape.seq, shape.hidden
     tokens = b * s
     layers_per_rank = math.ceil(shape.layers / p)
-    f_layer, f_recompute, tp_layer = _layer_seconds(shape, cluster, c, tokens, flash)
+    f_layer, f_recompute, tp_layer, w_layer = _layer_seconds(shape, cluster, c, tokens, flash)
     head_f = _with_host(cluster, cluster.gemm_seconds(tokens, shape.vocab / t, h)
                         + _pointwise(cluster, 3 * tokens * shape.vocab / t * FP32), OPS_HEAD)
     last_extra = 3 * head_f                      # the LM head and the loss, forward and backward, last rank
@@ -202,10 +207,14 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     slowest, tp = max(stages, key=sum)
     recompute = layers_per_rank * f_recompute
     round_time = slowest + recompute + tp        # one microbatch through this rank, all its chunks
-    # a round's part that the pipeline's fill and drain cannot overlap: all of it under 1F1B and the
-    # interleaved schedule; under ZB-H1 the weight gradients (W, as long as the forward's GEMMs: a third
-    # of the layers' compute) fill the bubble, which leaves the paper's (p - 1)(T_F + T_B - T_W)
-    idle_round = round_time - (2 * slowest / 3 if c.zb else 0.0)
+    # a round's part that the pipeline's fill and drain leave idle: all of it under 1F1B and the
+    # interleaved schedule; under ZB-H1 the weight gradients W (the layers' weight GEMMs again; the LM
+    # head's dW stays in B, where the chunked loss computes it) fill the bubble, which leaves the paper's
+    # (p - 1)(T_F + T_B - T_W). Not where ranks share cores: an idle rank lends its core already, and
+    # on this 2-core host ZB-H1 measured 1F1B's step (68.3 against 68.2 ms at pp=4, m=4)
+    w = layers_per_rank * w_layer
+    credit = c.zb and cluster.oversubscription <= 1
+    idle_round = round_time - (2 * w if credit else 0.0)
     compute = m * slowest
     bubble = (p - 1) / v * idle_round
     if p > 1 and cluster.oversubscription > 1:
@@ -216,7 +225,8 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
         link = cluster.link(p, t)
         send = BF16 * tokens * h / (t if c.sp else 1) / link.bandwidth + link.latency   # SP: a sequence shard
         p2p = 2 * send * (m * v + p - 1)
-    dp_comm, optimizer = _data_parallel(shape, cluster, c, round_time / v)
+    # the dp buckets launch during the last backward (B and W, 1F1B's), or after the last W (ZB-H1)
+    dp_comm, optimizer = _data_parallel(shape, cluster, c, w if c.zb else 2.0 / 3.0 * round_time / v)
     # SP: the norms' weight and bias gradients are each tp rank's share, summed after the step's
     # backward in one all-reduce (ir/partial_grads), exposed
     norms = ring_all_reduce_seconds(FP32 * h * NORM_TENSORS * layers_per_rank, t, cluster.link(t, 1)) if c.sp else 0.0
@@ -268,7 +278,8 @@ def _pointwise(cluster: Cluster, nbytes: float) -> float:
 
 def _layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: float, flash: bool) -> tuple:
     """(forward seconds of one layer for one microbatch, its recompute seconds, its tp collectives'
-    seconds over forward, backward and recompute)."""
+    seconds over forward, backward and recompute, its weight GEMMs' forward seconds: as long as their
+    weight gradients, W, which a zero-bubble schedule defers)."""
     t, h, s = c.tp, shape.hidden, shape.seq
     gemms = (cluster.gemm_seconds(tokens, (shape.q_width + 2 * shape.kv_width) / t, h)   # q, k, v
              + cluster.gemm_seconds(tokens, h, shape.q_width / t)                        # attention output
@@ -289,7 +300,7 @@ def _layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: fl
     if c.sp == "regather" and c.recompute != "full":   # the two column-parallel inputs gathered again: an
         collectives += one                             # all-gather each, half an all-reduce's traffic
     again = {"full": forward, "selective": core}.get(c.recompute, 0.0)
-    return forward, again, collectives
+    return forward, again, collectives, gemms
 
 
 def _mlp_seconds(shape: ModelShape, cluster: Cluster, tokens: float, t: int) -> float:
@@ -319,8 +330,9 @@ def _rank_params(shape: ModelShape, c: Candidate) -> float:
     return layers + ends
 
 
-def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, last_backward_window: float) -> tuple:
-    """(exposed dp seconds, optimizer seconds)."""
+def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, overlap: float) -> tuple:
+    """(exposed dp seconds, optimizer seconds); ``overlap``: seconds of backward the gradient all-reduce
+    runs beside."""
     params = _rank_params(shape, c)
     opt_bytes = params * (FP32 * 6 + BF16)        # read/write master, m, v; read grad; write bf16 weights
     tensors = math.ceil(shape.layers / c.pp) * TENSORS_PER_LAYER + 4
@@ -331,7 +343,7 @@ def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, last_backw
     reduce = ring_all_reduce_seconds(FP32 * params, c.dp, link)
     # the bucketed all-reduce runs beside the last backward; on a host whose cores the ranks already
     # share, the collective's own thread (gloo's copies and sums) takes a core from that backward instead
-    hidden = 2.0 / 3.0 * last_backward_window if cluster.oversubscription <= 1 else 0.0
+    hidden = overlap if cluster.oversubscription <= 1 else 0.0
     exposed = max(0.0, reduce - hidden)
     if c.zero:
         gather = ring_all_reduce_seconds(BF16 * params, c.dp, link) / 2     # an all-gather: half a ring all-reduce

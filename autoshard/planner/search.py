@@ -4,7 +4,8 @@ The search is exhaustive over what is legal: t divides the heads (and the kv hea
 them), p at most the layers, d = N / (t p) dividing the global batch, b a power of two, m = B / (d b),
 v chunks per rank when each still holds a layer (and m a multiple of p, as Megatron's interleaved
 schedule needs), recompute none, selective (attention cores) or full (layers), ZeRO-1 or not, and at
-v = 1 with a pipeline 1F1B or ZB-H1 (its weight gradients in the bubbles). Each is priced by ``cost.predict`` in
+v = 1 with a pipeline 1F1B or ZB-H1 (its weight gradients in the bubbles; not under full recompute,
+nor where ranks share cores). Each is priced by ``cost.predict`` in
 microseconds, so thousands of GPUs plan in seconds. A configuration that does not fit in memory is
 kept aside with the bytes it misses; the ranking says why each runner-up lost to the winner (the cost it
 pays most over it), and why each faster configuration was not chosen (memory).
@@ -167,7 +168,10 @@ def candidates(shape: ModelShape, gpus: int, global_batch: int, max_b: int = 16,
                     for recompute in ("none", "selective", "full"):
                         for zero in ((0, 1) if d > 1 else (0,)):
                             for sp in _sequence_parallel(t, shape.seq, recompute):
-                                for zb in ((False, True) if zero_bubble and p > 1 and v == 1 else (False,)):
+                                # not under full recompute: W would hold the recomputed layer, which
+                                # ZB-H1's 1F1B memory cap leaves no room to defer
+                                zbs = zero_bubble and p > 1 and v == 1 and recompute != "full"
+                                for zb in ((False, True) if zbs else (False,)):
                                     out.append(Candidate(d, p, t, b, m, v, recompute, zero, sp, zb))
     return out
 

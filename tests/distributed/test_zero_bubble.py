@@ -37,6 +37,8 @@ TWO_RANKS = [
 FOUR_RANKS = [
     ("gpt", dict(pp=2, tp=2), ZB, GPT),
     ("hf", dict(pp=2, tp=2), ZB, {}),
+    # what the planner picks for most pipelined rows: ZB-H1 with sequence parallelism and selective recompute
+    ("hf", dict(pp=2, tp=2), dict(ZB, sequence_parallel=True, recompute="selective"), {}),
     ("gpt", dict(dp=2, pp=2), dict(ZB, microbatches=2, zero=1), GPT),
     ("gpt", dict(pp=4), ZB, dict(n_layer=4, tie_weights=False)),
     ("gpt", dict(pp=4), dict(ZB, schedule="zb-h2"), dict(n_layer=4, tie_weights=False)),   # ranks 1, 2 warm up deeper
