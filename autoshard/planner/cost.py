@@ -178,7 +178,10 @@ def activation_bytes_per_layer(shape: ModelShape, b: int, t: int, recompute: str
     if recompute == "full":
         return 2.0 * s * b * h / (t if sp else 1)
     ffn_scale = shape.active_ffn * (3 if shape.gated else 2) / (8 * h)     # 1 for GPT's 4h two-matrix MLP
-    per_token = 10 / (t if sp else 1) + 24 / t * (0.5 + 0.5 * ffn_scale)
+    # q and the attention's output are q_width wide, k and v kv_width: 1 where both are h (GPT's); a
+    # grouped-query layer keeps less, Gemma's wider heads (q 4096 on h 3072) more
+    attention_scale = (shape.q_width + shape.kv_width) / (2 * h)
+    per_token = 10 / (t if sp else 1) + 12 / t * (attention_scale + ffn_scale)
     if sp and t > 1 and sp != "regather":
         per_token += 4 * (1 - 1 / t)
     if not flash and recompute != "selective":
