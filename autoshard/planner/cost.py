@@ -381,5 +381,6 @@ def stage_memory(shape: ModelShape, c: Candidate, rank: int, flash: bool = True,
 
 def _memory(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool) -> Memory:
     """The most loaded rank's peak: the first pipeline rank (the most microbatches in flight) or the
-    last (the logits)."""
-    return max((stage_memory(shape, c, r, flash) for r in {0, c.pp - 1}), key=lambda mem: mem.activations)
+    last (the logits; under ZB-H1 it may hold the first rank's activations too, W's held back)."""
+    return max((stage_memory(shape, c, r, flash, schedule=c.schedule) for r in {0, c.pp - 1}),
+               key=lambda mem: mem.activations)
