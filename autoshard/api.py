@@ -401,9 +401,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     ``True`` on CPU too when ``TRITON_INTERPRET=1`` (slow: for tests). When only the loss reads the
     logits (``loss_only``, ``pm.step``), the LM head and the cross-entropy run chunked over tokens so the
     logits never exist whole: ``loss_chunk_rows`` rows at a time ("auto": Liger's rule, at least 256, and
-    on CUDA at least 0.3 TFLOP of GEMM a chunk; None: off). ``recompute=True`` (or ``"full"``, the planner's
-    name; ``"none"`` is False) keeps only each layer's input for backward and runs the layer again
-    there (Megatron's full recompute); ``"selective"`` runs only each attention's core again (scores,
+    on CUDA at least 0.3 TFLOP of GEMM a chunk; None: off). ``recompute=True`` (``"full"``; ``"none"`` is False)
+    keeps only each layer's input for backward and runs the layer again there (Megatron's full recompute); ``"selective"`` runs only each attention's core again (scores,
     softmax, dropout, times v: Korthikanti et al.'s selective recompute); ``"auto"`` does full recompute
     when the model asks (HF's
     ``model.activation_checkpointing_enable()``, formerly ``gradient_checkpointing_enable()``).

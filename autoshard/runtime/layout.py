@@ -17,10 +17,13 @@ def take_shard(x, dim, n, size, rank, blocks=1):
         c = n // blocks // size
         return b.narrow(dim + 1, rank * c, c).flatten(dim, dim + 1)
     c = local_size(n, size)
-    if c * size != n:
-        pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, c * size - n]
-        x = F.pad(x, pad)
-    return x.narrow(dim, rank * c, c)
+    return pad_to(x, dim, c * size).narrow(dim, rank * c, c)
+
+
+def pad_to(x, dim, length):
+    """``x`` with zeros after its end along ``dim`` up to ``length`` (itself where it is that long)."""
+    short = length - x.shape[dim]
+    return F.pad(x, [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, short]) if short > 0 else x
 
 
 def assemble(parts_cat, dim, n, size, blocks=1):

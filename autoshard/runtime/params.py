@@ -36,7 +36,7 @@ from autoshard.ir.errors import InputError
 from autoshard.ir.partial_grads import sum_over_tp
 from autoshard.ir.placement import Shard, local_size, shard_range
 from autoshard.runtime import fused_optim
-from autoshard.runtime.layout import gather_full, take_shard
+from autoshard.runtime.layout import gather_full, pad_to, take_shard
 
 try:  # DTensor and its strided placement (torch >= 2.5)
     from torch.distributed.tensor import DTensor, Replicate as DReplicate, Shard as DShard
@@ -278,10 +278,7 @@ class ShardedParameters(nn.Module):
             raise InputError(f"gather('{name}'): this tp rank holds a shard of shape {tuple(want)} of the parameter's "
                              f"{tuple(self.records[name].global_shape)}, got a tensor of shape {tuple(local.shape)}: pass "
                              "this rank's own shard of that parameter (or its gradient), p.grad or p.grad.to_local()")
-        if local.shape[pl.dim] < chunk:
-            pad = [0, 0] * (local.dim() - 1 - pl.dim) + [0, chunk - local.shape[pl.dim]]
-            local = F.pad(local, pad)
-        return local
+        return pad_to(local, pl.dim, chunk)
 
     # --- checkpoints ------------------------------------------------------------------------------------
     def checkpoint_view(self, name, value):
