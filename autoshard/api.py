@@ -391,7 +391,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     With a ``pp`` axis in the mesh (or ``microbatches`` given), train with ``pm.step(*batch)``, which
     splits the whole batch into ``microbatches`` and runs ``schedule`` ("gpipe", "1f1b", "interleaved" with
     ``virtual_stages`` chunks per rank, the zero-bubble "zb-h1", "zb-h2" and "zb-v", or "auto"), with stages
-    cut by the cost model or at ``pipeline_cuts`` (layer indices), within ``memory_limit`` bytes per rank.
+    cut by the cost model or at ``pipeline_cuts`` (layer indices), within ``memory_limit`` bytes per rank;
+    ``scatter_gather`` sends a boundary every tp rank holds whole as 1/t slices ("auto": on NCCL).
     With a ``dp`` axis each dp rank passes its own rows of the global batch (``autoshard.local_batch``)
     and ``pm.step`` returns the global batch's loss; ``zero=1`` makes ``pm.optimizer(cls, ...)`` shard
     the optimizer state over dp (ZeRO-1).

@@ -21,6 +21,7 @@ import torch.fx as fx
 from autoshard.ir import meta as M
 from autoshard.ir import ops
 from autoshard.ir.pipeline import Chunk, ChunkInput, StagePlan
+from autoshard.ir.placement import DistSpec, Replicate
 from autoshard.passes.lower import param_records
 from autoshard.passes.pipeline_split import PipelineSplitError, activations
 from autoshard.passes.shapes import module_path, writes_in_place
@@ -66,6 +67,12 @@ def _transfer(values: tuple) -> tuple:
     for v in values[1:]:
         dtype = torch.promote_types(dtype, v.meta["val"].dtype)
     return (sum(math.prod(_local_shape(v)) for v in values),), dtype
+
+
+def _replicated(values: tuple) -> bool:
+    """Whether every value a cut sends is whole and the same on each tp rank (placed Replicate on tp, not
+    a sequence shard): what the runtime's scatter/gather may send as t slices and gather again."""
+    return all(isinstance(M.SPEC.get(v, DistSpec()).on("tp"), Replicate) for v in values)
 
 
 def _unpack(g: fx.Graph, ph: fx.Node, values: tuple, dtype: torch.dtype, env: dict) -> None:
@@ -162,7 +169,7 @@ def split_chunks(gm: fx.GraphModule, plan: StagePlan) -> tuple:
                          if n not in act and n.op == "call_function"
                          and n in from_data]
         chunks.append(Chunk(k, chunk_gm, inputs, param_records(chunk_gm), in_shape, in_dtype, out_shape, out_dtype,
-                            last))
+                            last, bool(starts) and _replicated(starts), not last and _replicated(ends)))
     _check_writes_kept(nodes, placed)
     return chunks, recomputed
 

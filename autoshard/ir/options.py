@@ -118,6 +118,16 @@ def resolved_codegen(codegen: str) -> str:
     return "autoshard" if codegen == "auto" else codegen
 
 
+def scatter_gather_pays(backend: str) -> bool:
+    """Whether ``scatter_gather="auto"`` sends a tp-replicated pipeline boundary as t slices (Narayanan et
+    al., SC'21, section 4.1): on NCCL, where pp's transfers cross the slow links between nodes, one NIC a
+    GPU, and the all-gather that rebuilds the boundary runs on NVLink inside a node, so a transfer costs
+    1/t of the bytes on the slow link. Not on gloo: one host's ranks share one link, so the slices save
+    nothing and the all-gather adds a collective. The planner prices a cluster's sends by the same rule
+    (``Cluster.backend``)."""
+    return backend == "nccl"
+
+
 @dataclass(frozen=True)
 class PipelineOptions:
     """How ``pm.step`` runs a batch: ``microbatches`` (m), the schedule, ``virtual_stages`` (v, model
@@ -130,11 +140,17 @@ class PipelineOptions:
     cuts: tuple | None = None
     memory_limit: float | None = None
     zero: int = 0                      # 1: pm.optimizer shards the optimizer state over dp (ZeRO-1)
+    scatter_gather: bool | str = "auto"   # a tp-replicated boundary sent as 1/t a tp rank, gathered over tp
+                                          # on receipt (Megatron's); "auto": where scatter_gather_pays
     # internal: the cut stretches of another program of this model (an eval program takes its training
     # program's, so both hold the same parameters on the same ranks); see StagePlan.stretches
     stretches: tuple | None = None
 
     def __post_init__(self):
+        if self.scatter_gather not in (True, False, "auto"):
+            raise ValueError(f"scatter_gather={self.scatter_gather!r}: True (each tp rank sends 1/t of a boundary "
+                             "every tp rank holds whole, and the receivers all-gather it over tp), False (each "
+                             "sends all of it), or 'auto' (on NCCL)")
         if self.zero not in (0, 1):
             raise ValueError(f"zero={self.zero!r}: autoshard implements ZeRO stage 1 (zero=1) or none (zero=0)")
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
@@ -226,7 +242,8 @@ class CompileOptions:
 
 # parallelize's keywords for the pipeline, and the PipelineOptions field each sets
 PIPELINE_KEYWORDS = {"microbatches": "microbatches", "schedule": "schedule", "virtual_stages": "virtual_stages",
-                     "pipeline_cuts": "cuts", "memory_limit": "memory_limit", "zero": "zero"}
+                     "pipeline_cuts": "cuts", "memory_limit": "memory_limit", "zero": "zero",
+                     "scatter_gather": "scatter_gather"}
 
 
 def option_keywords() -> list:

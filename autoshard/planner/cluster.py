@@ -59,6 +59,9 @@ class Cluster:
     # the host launches ahead of the device (a GPU's stream): an op's overhead hides under the device's
     # work, and a layer costs the longer of the two instead of their sum (a CPU host does both in turn)
     launch_ahead: bool = False
+    # the process groups' backend: the runtime sends a tp-replicated pipeline boundary as tp slices where
+    # ``scatter_gather_pays(backend)`` (NCCL), and the planner prices its transfers the same way
+    backend: str = "nccl"
     source: str = ""
 
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:
@@ -122,6 +125,7 @@ class Cluster:
         draft = Cluster(name, gpus_per_node=world, peak_flops=peak, hbm_bytes=float(hbm), hbm_bandwidth=hbm_bw,
                         intra=link, inter=link, gemm_max_efficiency=top, gemm_half_dim=half, op_overhead=overhead,
                         oversubscription=oversub, transcendental_rate=transcendental, launch_ahead=cuda,
+                        backend="nccl" if cuda else "gloo",
                         source=f"measured on {device.type} ({dtype}), {world} rank(s), {time.strftime('%Y-%m-%d')}")
         measured = [draft if cuda else _calibrated_on_a_layer(draft, repeats)]
         if world > 1:      # one cluster for every rank (rank 0's numbers), so every rank plans the same mesh

@@ -39,6 +39,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from autoshard.ir.options import scatter_gather_pays
+
 from autoshard.planner.cluster import Cluster
 from autoshard.planner.shape import ModelShape
 
@@ -223,11 +225,7 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     if p > 1 and cluster.oversubscription > 1:
         compute, bubble = _shared_cores(cluster, m, p, v, slowest, (per_micro * (p - 1) + per_micro_last) / p,
                                         recompute + tp, idle_round)
-    p2p = 0.0
-    if p > 1:
-        link = cluster.link(p, t)
-        send = BF16 * tokens * h / (t if c.sp else 1) / link.bandwidth + link.latency   # SP: a sequence shard
-        p2p = 2 * send * (m * v + p - 1)
+    p2p = 2 * _send_seconds(shape, cluster, c, tokens) * (m * v + p - 1) if p > 1 else 0.0
     # the dp buckets launch during the last backward (B and W, 1F1B's), or after the last W (ZB-H1)
     dp_comm, optimizer = _data_parallel(shape, cluster, c, w if c.zb else 2.0 / 3.0 * round_time / v)
     # SP: the norms' weight and bias gradients are each tp rank's share, summed after the step's
@@ -236,6 +234,19 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     breakdown = Breakdown(compute, m * recompute, m * tp + norms, bubble, p2p, dp_comm, optimizer)
     return Prediction(c, breakdown.total, breakdown, _memory(shape, cluster, c, flash),
                       shape.model_flops(c.global_batch * s))
+
+
+def _send_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: float) -> float:
+    """One microbatch's boundary (or its gradient) sent to the next pipeline rank, exposed. Under SP it is
+    a sequence shard, 1/t of the bytes. Without, it is whole on every tp rank: where the runtime scatters
+    it (``scatter_gather_pays(cluster.backend)``: NCCL) each tp rank sends 1/t and the receivers
+    all-gather over tp (Megatron's scatter/gather, SC'21 section 4.1), else each sends all of it."""
+    link, nbytes = cluster.link(c.pp, c.tp), BF16 * tokens * shape.hidden
+    if c.sp:
+        return nbytes / c.tp / link.bandwidth + link.latency
+    if c.tp > 1 and scatter_gather_pays(cluster.backend):
+        return nbytes / c.tp / link.bandwidth + link.latency + ring_all_reduce_seconds(nbytes, c.tp, cluster.link(c.tp, 1)) / 2
+    return nbytes / link.bandwidth + link.latency
 
 
 def _vocab_parallel_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: float) -> tuple:

@@ -179,4 +179,6 @@ BUILTIN = {s.name: s for s in (
     _gpt("gpt-1.7b", 24, 2304, 24), _gpt("gpt-3.6b", 30, 3072, 32), _gpt("gpt-7.5b", 36, 4096, 32),
     _gpt("gpt-18b", 40, 6144, 48), _gpt("gpt-39b", 48, 8192, 64), _gpt("gpt-76b", 60, 10240, 80),
     _gpt("gpt-145b", 80, 12288, 96), _gpt("gpt-310b", 96, 16384, 128), _gpt("gpt-530b", 105, 20480, 128),
-    _gpt("gpt-1t", 128, 25600, 160))}
+    _gpt("gpt-1t", 128, 25600, 160),
+    # and the two of Korthikanti et al. (arXiv 2205.05198) that SC'21 has not: 22B, and GPT-3's 175B
+    _gpt("gpt-22b", 48, 6144, 64), _gpt("gpt-175b", 96, 12288, 96))}

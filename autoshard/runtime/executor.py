@@ -32,6 +32,7 @@ from autoshard.ir.schedule import Action, Kind, whole_backwards
 from autoshard.ir.simulator import Span
 from autoshard.ir.weight_grad import WeightGrads, deferring, splitting
 from autoshard.runtime.clock import Recorded, StepClock
+from autoshard.runtime.scatter_gather import scatter_gather
 
 class PipelineError(RuntimeError):
     """A pipeline transfer failed or timed out: a peer rank raised, died or is stuck."""
@@ -90,6 +91,9 @@ class Run:
         self.held = self.peak = 0
         self.clock = StepClock(self.device)
         self.stream_waits = _backend() == "nccl"
+        pipe = prog.options.pipeline
+        self.scatter = scatter_gather(pipe.scatter_gather if pipe is not None else False,
+                                      runner.module.comms["tp"], self.chunks, _backend())
         self.record = Recorded(self.sched.name, self.sched.pp, self.me, self.clock)
 
     # transfers ----------------------------------------------------------------------------------------
@@ -106,13 +110,16 @@ class Run:
         if sending:
             key = ("F" if a.kind is Kind.SEND_F else "B", a.stage, a.microbatch)
             tensor = self.outbox.pop(key).contiguous()
+            if self.scatter is not None and self.scatter.sliced(a):
+                tensor = self.scatter.part(tensor)
             self.pending.append((a, dist.P2POp(dist.isend, tensor, peer, group=group,
                                                tag=_tag(a.kind, a.stage, a.microbatch, self.m)), tensor))
         else:
             chunk = self.chunks[a.stage]
             forward = a.kind is Kind.RECV_F
             shape, dtype = (chunk.in_shape, chunk.in_dtype) if forward else (chunk.out_shape, chunk.out_dtype)
-            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+            tensor = (self.scatter.buffer(shape, dtype, self.device) if self.scatter is not None and
+                      self.scatter.sliced(a) else torch.empty(shape, dtype=dtype, device=self.device))
             sender = a.stage - 1 if forward else a.stage + 1
             op = dist.P2POp(dist.irecv, tensor, peer, group=group, tag=_tag(a.kind, sender, a.microbatch, self.m))
             self.pending.append((a, op, tensor))
@@ -161,6 +168,9 @@ class Run:
             a, work, tensor = value
             t0 = self.clock.mark()
             self._wait(a, work)
+            if self.scatter is not None and self.scatter.sliced(a):
+                chunk = self.chunks[a.stage]
+                tensor = self.scatter.whole(tensor, chunk.in_shape if a.kind is Kind.RECV_F else chunk.out_shape, a)
             self.record.spans.append(Span(a, t0, self.clock.mark()))
             return tensor
         return value

@@ -35,8 +35,10 @@ TWO_RANKS = [
 FOUR_RANKS = [
     ("gpt", dict(pp=4), dict(microbatches=4, schedule="interleaved", virtual_stages=2, late_receives=True), GPT),
     ("gpt", dict(pp=4), dict(microbatches=4, schedule="1f1b"), dict(n_layer=4, tie_weights=False)),
-    ("gpt", dict(pp=2, tp=2), dict(microbatches=2, schedule="1f1b", clip=0.05, recompute=True), GPT),
-    ("hf", dict(pp=2, tp=2), dict(microbatches=2, schedule="interleaved", virtual_stages=2), {}),
+    # Megatron's scatter/gather (NCCL's default): each tp rank sends 1/t of the boundary, the receivers gather
+    ("gpt", dict(pp=2, tp=2), dict(microbatches=2, schedule="1f1b", clip=0.05, recompute=True, scatter_gather=True),
+     GPT),
+    ("hf", dict(pp=2, tp=2), dict(microbatches=2, schedule="interleaved", virtual_stages=2, scatter_gather=True), {}),
     ("gpt", dict(pp=2, tp=2), dict(microbatches=2, sequence_parallel=True), GPT),   # sequence-sharded boundary
     # gloo's RS and AG as all-to-alls; the column-parallel inputs kept as shards and gathered again, async
     ("gpt", dict(tp=4), dict(microbatches=2, sequence_parallel="regather"), dict(n_layer=2)),
@@ -70,6 +72,8 @@ def _check(configs, results):
             assert all(r["tied"].values()), (config, r["tied"])   # tied copies bit-identical after 3 steps
             assert r["eval"] is None or r["eval"] < TOL, (config, r["eval"])
             assert "expect" not in config[2] or r["schedule"] == config[2]["expect"], (config, r["schedule"])
+            # sliced transfers where asked for, none on gloo by default ("auto": NCCL only)
+            assert (r["scattered"] > 0) == (config[2].get("scatter_gather") is True), (config, r["scattered"])
         if config[0] != "family" and config[3].get("tie_weights", True) and config[1].get("pp", 1) > 1:
             if per_rank[0]["schedule"] == "zb-v":      # a V: the first and last stages on rank 0
                 assert not per_rank[0]["ties"], config

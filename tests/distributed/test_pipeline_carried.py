@@ -114,7 +114,7 @@ def test_a_carried_running_scalar_trains_exactly_on_two_stages():
         assert r["worst"] < 1e-6, r
 
 
-@pytest.mark.parametrize("dims, options", [({"pp": 2}, {}), ({"pp": 2, "tp": 2}, {"recompute": True}),
+@pytest.mark.parametrize("dims, options", [({"pp": 2}, {}), ({"pp": 2, "tp": 2}, {"recompute": True, "scatter_gather": True}),
                                            ({"pp": 2}, {"schedule": "interleaved", "virtual_stages": 2})],
                          ids=["pp2", "pp2-tp2-recompute", "pp2-interleaved"])
 def test_moe_aux_loss_on_a_pipeline_matches_the_single_device_model(dims, options):

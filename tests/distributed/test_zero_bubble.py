@@ -42,7 +42,7 @@ FOUR_RANKS = [
     ("gpt", dict(dp=2, pp=2), dict(ZB, microbatches=2, zero=1), GPT),
     ("gpt", dict(pp=4), ZB, dict(n_layer=4, tie_weights=False)),
     ("gpt", dict(pp=4), dict(ZB, schedule="zb-h2"), dict(n_layer=4, tie_weights=False)),   # ranks 1, 2 warm up deeper
-    ("gpt", dict(pp=2, tp=2), ZBV, GPT),
+    ("gpt", dict(pp=2, tp=2), dict(ZBV, scatter_gather=True), GPT),   # W split, boundaries sent as tp slices
     ("gpt", dict(dp=2, pp=2), dict(ZBV, microbatches=2, zero=1), GPT),
 ]
 

@@ -171,8 +171,9 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
         eval_err = abs(got - want) / abs(want)
     state = opt.state_bytes() if zero else sum(v.numel() * v.element_size() for st in opt.state.values()
                                                for v in st.values() if torch.is_tensor(v) and v.dim())
+    scattered = sum(n for (axis, phase, kind), n in pm.comm_counts()[0].items() if phase == "p2p")
     return dict(losses=losses, grads=grads, norms=norms, final=final, state_bytes=state, tied=tied, ties=prog.ties(), exact=prog.loss.exact,
-                stages=[c.index for c in prog.own], schedule=prog.schedule.name, eval=eval_err)
+                stages=[c.index for c in prog.own], schedule=prog.schedule.name, eval=eval_err, scattered=scattered)
 
 
 def run_configs(rank, world, configs):

@@ -365,3 +365,39 @@ def test_links_follow_the_mesh_init_mesh_builds():
     fast_pp = predict(shape, DGX_A100.with_(inter=Link(1e12, 0.0)), Candidate(dp=2, pp=4, tp=2, b=1, m=8))
     assert inside.breakdown.p2p == pytest.approx(fast_pp.breakdown.p2p)        # NVLink either way
     assert inside.breakdown.dp_comm > fast_pp.breakdown.dp_comm                # InfiniBand: the slow link
+
+
+def test_published_megatron_runs_are_predicted_within_15_percent():
+    """A guard on the cost model: every published run of ``benchmarks.planner`` that Megatron-LM's own
+    runtime measured (SC'21, BLOOM, Korthikanti et al., Llama 3) is predicted within the issue's 15% for
+    its published (t, p, d) and recompute. MT-NLG's rows ran DeepSpeed's pipeline engine; the benchmark's
+    table explains them."""
+    from benchmarks.planner import ROWS, _rate, theirs
+    errors = {}
+    for row in ROWS:
+        if row.runtime == "megatron":
+            q, _ = theirs(row)
+            errors[row.name] = _rate(q, row.counts) / row.tflops - 1
+    assert len(errors) >= 20
+    assert {name: e for name, e in errors.items() if abs(e) > 0.15} == {}
+
+
+def test_pipeline_sends_are_scattered_over_tp_where_the_runtime_scatters_them():
+    """Without SP the boundary is whole on every tp rank. On NCCL the runtime sends 1/t of it a tp rank and
+    gathers it over NVLink (``runtime/scatter_gather.py``), so the sends over IB cost 1/t plus an
+    all-gather inside the node; on gloo (one host) it sends it whole, as priced there."""
+    shape = BUILTIN["gpt-39b"]
+    c = Candidate(dp=1, pp=8, tp=8, b=1, m=16, v=1, recompute="full", zero=0, sp=False)
+    sends = {backend: predict(shape, DGX_A100.with_(backend=backend), c, flash=False).breakdown.p2p
+             for backend in ("nccl", "gloo")}
+    nbytes = 2 * shape.seq * shape.hidden
+    ib, nvlink = DGX_A100.inter, DGX_A100.intra
+    transfers = 2 * (c.m + c.pp - 1)
+    assert sends["gloo"] == pytest.approx(transfers * (nbytes / ib.bandwidth + ib.latency))
+    gathered = nbytes / 8 / ib.bandwidth + ib.latency + ring_all_reduce_seconds(nbytes, 8, nvlink) / 2
+    assert sends["nccl"] == pytest.approx(transfers * gathered)
+    assert sends["nccl"] < sends["gloo"] / 4
+    # under SP the boundary is a sequence shard already: the same on both
+    sp = dataclasses.replace(c, recompute="selective", sp=True)
+    assert len({predict(shape, DGX_A100.with_(backend=b), sp, flash=False).breakdown.p2p
+                for b in ("nccl", "gloo")}) == 1
