@@ -7,6 +7,7 @@ mesh); ``parallelize`` calls it for this process's rank and instantiates the pro
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -44,15 +45,24 @@ log = logging.getLogger("autoshard")
 
 
 def compute_twin(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A weightless copy of ``model`` whose floating parameters are ``dtype`` on ``meta``: what a mixed-
-    precision program is traced from (the real fp32 parameters stay in the ``ParallelModule``). Buffers
-    keep their dtype (rotary tables stay fp32, as the model computes them)."""
+    """A weightless copy of ``model`` whose floating parameters are ``dtype``: what a mixed-precision
+    program is traced from (the real fp32 parameters stay in the ``ParallelModule``). Its parameters are
+    fake tensors on the model's own device, not ``meta`` ones: a forward that branches on its device
+    (HF's MoE counts tokens per expert with ``histc`` on floats on a CPU, on ints elsewhere; Falcon's
+    ALiBi builds its slopes where its mask lives) traces the branch the program will run. The buffers
+    are the model's own (shared, not copied: a trace reads them), so they keep their dtype (rotary
+    tables stay fp32, as the model computes them). A model built on ``meta`` gets a ``meta`` twin."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    on_meta = any(p.is_meta for p in model.parameters())
+    fake = contextlib.nullcontext() if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
     memo = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta", dtype=dtype if p.is_floating_point() else p.dtype),
-                                   requires_grad=p.requires_grad)
+    with fake:
+        for p in model.parameters():
+            memo[id(p)] = nn.Parameter(torch.empty(p.shape, device="meta" if on_meta else p.device,
+                                                   dtype=dtype if p.is_floating_point() else p.dtype),
+                                       requires_grad=p.requires_grad)
     for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
+        memo[id(b)] = torch.empty_like(b, device="meta") if on_meta else b
     return copy.deepcopy(model, memo)
 
 
@@ -390,9 +400,10 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
 
     With a ``pp`` axis in the mesh (or ``microbatches`` given), train with ``pm.step(*batch)``, which
     splits the whole batch into ``microbatches`` and runs ``schedule`` ("gpipe", "1f1b", "interleaved" with
-    ``virtual_stages`` chunks per rank, the zero-bubble "zb-h1", "zb-h2" and "zb-v", or "auto"), with stages
-    cut by the cost model or at ``pipeline_cuts`` (layer indices), within ``memory_limit`` bytes per rank;
-    ``scatter_gather`` sends a boundary every tp rank holds whole as 1/t slices ("auto": on NCCL).
+    ``virtual_stages`` chunks per rank (2 by default), the zero-bubble "zb-h1", "zb-h2" and "zb-v", or
+    "auto"), with stages cut by the cost model or at ``pipeline_cuts`` (layer indices), within
+    ``memory_limit`` bytes per rank; ``scatter_gather`` sends a boundary every tp rank holds whole as 1/t
+    slices ("auto": on NCCL).
     With a ``dp`` axis each dp rank passes its own rows of the global batch (``autoshard.local_batch``)
     and ``pm.step`` returns the global batch's loss; ``zero=1`` makes ``pm.optimizer(cls, ...)`` shard
     the optimizer state over dp (ZeRO-1).

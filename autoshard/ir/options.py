@@ -131,9 +131,9 @@ def scatter_gather_pays(backend: str) -> bool:
 @dataclass(frozen=True)
 class PipelineOptions:
     """How ``pm.step`` runs a batch: ``microbatches`` (m), the schedule, ``virtual_stages`` (v, model
-    chunks per pipeline rank: only the interleaved schedule takes v > 1), optional ``cuts`` (the layer
-    index each stage after the first starts at: ``pipeline_cuts``), and an optional ``memory_limit`` in
-    bytes per rank that the stage balancer must respect."""
+    chunks per pipeline rank: only the interleaved schedule takes v > 1, and runs 2 unless told more),
+    optional ``cuts`` (the layer index each stage after the first starts at: ``pipeline_cuts``), and an
+    optional ``memory_limit`` in bytes per rank that the stage balancer must respect."""
     microbatches: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -163,6 +163,9 @@ class PipelineOptions:
             if self.virtual_stages not in (1, 2):
                 raise ValueError(f"schedule='zb-v' places two stages on each rank (a V), but virtual_stages="
                                  f"{self.virtual_stages}: leave it out or give 2")
+            object.__setattr__(self, "virtual_stages", 2)
+        elif self.schedule == "interleaved" and self.virtual_stages == 1:
+            # one chunk a rank would be 1F1B: "interleaved" alone means Megatron's smallest interleaving
             object.__setattr__(self, "virtual_stages", 2)
         elif self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (Megatron's "

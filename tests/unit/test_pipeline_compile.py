@@ -59,6 +59,9 @@ def test_compile_only_entry_points_take_parallelizes_keywords():
     inter = autoshard.compile_pipeline(build("gpt", n_layer=4), {"pp": 2}, 0, *args, microbatches=2,
                                        schedule="interleaved", virtual_stages=2)
     assert len(inter.chunks) == 4 and [c.index for c in inter.own] == [0, 2]    # pp x v chunks; rank 0 runs two
+    plain = autoshard.compile_pipeline(build("gpt", n_layer=4), {"pp": 2}, 0, *args, microbatches=2,
+                                       schedule="interleaved")        # v left out: Megatron's smallest, 2
+    assert len(plain.chunks) == 4 and plain.options.pipeline.virtual_stages == 2
     tp = autoshard.compile_rank(build("gpt", n_layer=1), {"tp": 2}, 0, *batch("gpt", 96), loss_only=True)
     assert tp.options.loss_only and tp.options.pipeline is None
     with pytest.raises(TypeError, match="as keywords .*loss_only.* or as options=, not both"):
