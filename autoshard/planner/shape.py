@@ -102,7 +102,28 @@ def model_shape(model, seq: int | None = None, name: str | None = None) -> Model
                           4 * config.n_embd, config.vocab_size, s, gated=False, tied=config.tie_weights,
                           positions=config.block_size)
     fields = config if isinstance(config, dict) else (config.to_dict() if hasattr(config, "to_dict") else vars(config))
-    return _from_hf(fields, seq, name)
+    return _from_hf(_canonical(fields, config), seq, name)
+
+
+def _canonical(fields: dict, config) -> dict:
+    """``fields`` with HF's canonical names (``num_attention_heads``, ``hidden_size``, ``num_hidden_layers``)
+    added where the config stores them under its own (GPT-Neo's ``num_heads``, MPT's ``n_heads`` and
+    ``d_model``, XGLM's ``attention_heads``): its class's ``attribute_map``, which a config object's
+    ``to_dict()`` and its ``config.json`` leave out. A dict's class is found by its ``model_type``."""
+    mapping = getattr(config, "attribute_map", None)
+    if mapping is None and fields.get("model_type"):
+        try:
+            from transformers import CONFIG_MAPPING
+            mapping = getattr(CONFIG_MAPPING[fields["model_type"]], "attribute_map", None)
+        except (ImportError, KeyError):
+            mapping = None
+    out = dict(fields)
+    for canonical, own in (mapping or {}).items():
+        if out.get(canonical) is None and out.get(own) is not None:
+            out[canonical] = out[own]
+    if out.get("expansion_ratio") and out.get("hidden_size") and not out.get("intermediate_size"):
+        out["intermediate_size"] = int(out["expansion_ratio"] * out["hidden_size"])   # MPT's MLP width
+    return out
 
 
 def _first(fields: dict, *keys, default=None):
@@ -152,8 +173,9 @@ def _from_hf(fields: dict, seq, name) -> ModelShape:
     gated = activation in ("silu", "swiglu", "geglu") or model_type in (
         "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
         "phi3", "olmo", "olmo2")
-    context = int(_first(fields, "max_position_embeddings", "n_positions", "seq_length", default=2048))
-    learned = model_type in ("gpt2", "opt", "gpt_bigcode")
+    context = int(_first(fields, "max_position_embeddings", "n_positions", "seq_length", "max_seq_len",
+                         default=2048))
+    learned = model_type in ("gpt2", "opt", "gpt_bigcode", "gpt_neo", "biogpt")     # a position table of weights
     head_dim = int(fields.get("head_dim") or 0)
     return ModelShape(name or fields.get("_name_or_path") or model_type or "hf",
                       int(_first(fields, "num_hidden_layers", "n_layer")), hidden, heads, kv, ffn,

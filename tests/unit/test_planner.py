@@ -248,8 +248,9 @@ def test_shapes_from_the_builtin_gpt_on_meta_and_an_hf_config(tmp_path):
         model_shape(deepseek)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gemma", "falcon", "falcon_new", "qwen3"])
-def test_hf_shapes_count_the_parameters_the_model_has(family):
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gemma", "falcon", "falcon_new", "qwen3", "gpt_neo", "mpt",
+                                    "xglm"])
+def test_hf_shapes_count_the_parameters_the_model_has(family, tmp_path):
     """``model_shape`` of an HF config holds the parameters the model built from it holds (on ``meta``):
     an MoE layer every expert and its router (Mixtral), shared experts too (Qwen2-MoE); a head width set
     apart from hidden / heads (Gemma, Qwen3); Falcon's classic multi-query decoder one k/v head whatever
@@ -263,12 +264,20 @@ def test_hf_shapes_count_the_parameters_the_model_has(family):
            "gemma": lambda: T.GemmaConfig(**small, intermediate_size=512, head_dim=64, num_key_value_heads=1),
            "falcon": lambda: T.FalconConfig(**small, multi_query=True, num_kv_heads=8),
            "falcon_new": lambda: T.FalconConfig(**small, new_decoder_architecture=True, num_kv_heads=2),
-           "qwen3": lambda: T.Qwen3Config(**small, intermediate_size=512, head_dim=48, num_key_value_heads=2)}[family]()
+           "qwen3": lambda: T.Qwen3Config(**small, intermediate_size=512, head_dim=48, num_key_value_heads=2),
+           # their own names for heads, width and depth (HF's attribute_map), and a learned position table
+           "gpt_neo": lambda: T.GPTNeoConfig(hidden_size=256, num_layers=2, num_heads=8, vocab_size=512,
+                                             attention_types=[[["global", "local"], 1]]),
+           "mpt": lambda: T.MptConfig(d_model=256, n_layers=2, n_heads=8, vocab_size=512, expansion_ratio=4),
+           "xglm": lambda: T.XGLMConfig(d_model=256, num_layers=2, attention_heads=8, vocab_size=512, ffn_dim=1024),
+           }[family]()
     with torch.device("meta"):
         model = T.AutoModelForCausalLM.from_config(cfg)
     real = sum(p.numel() for p in model.parameters())
     shape = model_shape(cfg, seq=128)
     assert abs(shape.params() - real) <= 0.01 * real, (shape, real)
+    cfg.save_pretrained(tmp_path)            # config.json holds the family's own names only
+    assert model_shape(str(tmp_path / "config.json"), seq=128).params() == shape.params()
     if family == "falcon":
         assert shape.kv_heads == 1
     if shape.experts > 1:      # forward flops of a token: its top-k experts (and the shared ones), not all E
