@@ -6,6 +6,7 @@ model. Nothing is allocated: a 1T-parameter model is planned from its config alo
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -102,7 +103,64 @@ def model_shape(model, seq: int | None = None, name: str | None = None) -> Model
                           4 * config.n_embd, config.vocab_size, s, gated=False, tied=config.tie_weights,
                           positions=config.block_size)
     fields = config if isinstance(config, dict) else (config.to_dict() if hasattr(config, "to_dict") else vars(config))
-    return _from_hf(_canonical(fields, config), seq, name)
+    fields = _canonical(fields, config)
+    shape = _from_hf(fields, seq, name)
+    return _with_layer_structure(shape, fields)
+
+
+# what a decoder layer's parameter names say of its MLP: a gate projection (SwiGLU / GeGLU: three matrices),
+# and an MLP every token runs through beside an MoE layer's routed experts
+_GATES = ("gate_proj", "gate_up_proj", "w1", "w3", "gate_up")
+_SHARED = ("shared_expert", "shared_mlp", "shared_experts", "shared_experts_mlp")
+
+
+def _with_layer_structure(shape: ModelShape, fields: dict) -> ModelShape:
+    """``shape`` with its MLP read off the model's first layer, built on ``meta`` from a one-layer copy of
+    the config (nothing allocated): whether it is gated (a ``gate_proj``, whatever the activation is
+    called: Gemma's ``gelu_pytorch_tanh`` GeGLU, BitNet's ``relu2``), and the width of a shared expert the
+    config names in no field ``_from_hf`` knows (Llama 4's, Hunyuan's, Ernie 4.5's). Unchanged where
+    transformers cannot build the config."""
+    layer = _first_layer(fields)
+    if layer is None:
+        return shape
+    names = [n for n, _ in layer.named_parameters()]
+    mlp = [n for n in names if not n.startswith(("self_attn", "attention", "attn", "self_attention"))]
+    gated = any(part in _GATES for n in mlp for part in n.split(".")) or shape.gated
+    shared = shape.shared_ffn
+    if shape.experts > 1 and not shared:
+        widths = [p.shape[0] for n, p in layer.named_parameters()
+                  if any(s in n.split(".") for s in _SHARED) and n.endswith(("up_proj.weight", "gate_proj.weight",
+                                                                               "w1.weight", "fc1.weight"))]
+        shared = int(widths[0]) if widths else 0
+    return dataclasses.replace(shape, gated=gated, shared_ffn=shared)
+
+
+def _first_layer(fields: dict):
+    """The first decoder layer of the model ``fields`` describes, built on ``meta`` with one layer (None
+    where transformers is missing, has no such model, or cannot build it that small)."""
+    model_type = fields.get("model_type")
+    if not model_type:
+        return None
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+        layers = fields.get("num_hidden_layers")
+        # per-layer lists (layer_types, no_rope_layers, moe_layers) must match the one layer: the config's
+        # own defaults take their place
+        one = {k: v for k, v in fields.items() if k not in ("layer_types", "moe_layers", "mlp_only_layers")
+               and not (isinstance(v, (list, tuple)) and layers and len(v) == layers)}
+        for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+            if key in one:
+                one[key] = 1
+        config = CONFIG_MAPPING[model_type](**{k: v for k, v in one.items() if k != "model_type"})
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - any failure to build leaves the config's own reading
+        return None
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == 1:
+            return module[0]
+    return None
 
 
 def _canonical(fields: dict, config) -> dict:
@@ -148,9 +206,20 @@ def _uniform(fields: dict) -> None:
              if fields.get(k) not in (None, dense, [], ())]
     if mixed:
         why.append(f"its layers mix dense and MoE MLPs ({', '.join(mixed)})")
+    mixers = sorted({str(t) for key in ("layer_types", "block_types", "layers_block_type")
+                     for t in (fields.get(key) or ()) if not _softmax_attention(str(t))})
+    if mixers or any(k.startswith(("mamba_", "ssm_", "linear_conv", "conv_L")) for k in fields):
+        why.append("its layers include mixers other than softmax attention ("
+                   + (", ".join(mixers) or "state-space") + ")")
     if why:
         raise ValueError(f"the planner prices every layer alike, but {' and '.join(why)}: pass a "
                          "ModelShape(...) of a representative layer instead")
+
+
+def _softmax_attention(layer_type: str) -> bool:
+    """Whether a config's layer type is softmax attention (full, sliding, chunked, local or global)."""
+    t = layer_type.lower()
+    return "linear" not in t and ("attention" in t or t in ("attention", "full", "global", "local", "sliding"))
 
 
 def _from_hf(fields: dict, seq, name) -> ModelShape:
@@ -166,7 +235,7 @@ def _from_hf(fields: dict, seq, name) -> ModelShape:
     experts = int(_first(fields, "num_local_experts", "num_experts", "n_routed_experts", default=1) or 1)
     ffn = int(_first(fields, *(("moe_intermediate_size",) if experts > 1 else ()), "intermediate_size", "n_inner",
                      "ffn_dim", "ffn_hidden_size", default=4 * hidden) or 4 * hidden)
-    shared = int(fields.get("shared_expert_intermediate_size") or 0) or \
+    shared = int(fields.get("shared_expert_intermediate_size") or fields.get("shared_intermediate_size") or 0) or \
         int(fields.get("n_shared_experts") or 0) * (ffn if experts > 1 else 0)
     activation = str(_first(fields, "hidden_act", "hidden_activation", "activation_function", default="gelu"))
     model_type = str(fields.get("model_type", ""))

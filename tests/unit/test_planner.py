@@ -246,10 +246,16 @@ def test_shapes_from_the_builtin_gpt_on_meta_and_an_hf_config(tmp_path):
     deepseek = dict(llama, model_type="deepseek_v3", kv_lora_rank=512, n_routed_experts=8, first_k_dense_replace=1)
     with pytest.raises(ValueError, match="multi-head latent attention .* mix dense and MoE MLPs \\(first_k_dense"):
         model_shape(deepseek)
+    # hybrids: Qwen3-Next's Gated-DeltaNet layers, RecurrentGemma's RG-LRU blocks, Bamba's Mamba mixers
+    hybrid = dict(llama, model_type="qwen3_next", layer_types=["linear_attention", "full_attention"])
+    with pytest.raises(ValueError, match=r"mixers other than softmax attention \(linear_attention\)"):
+        model_shape(hybrid)
+    with pytest.raises(ValueError, match=r"mixers other than softmax attention \(state-space\)"):
+        model_shape(dict(llama, model_type="bamba", mamba_d_state=16))
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gemma", "falcon", "falcon_new", "qwen3", "gpt_neo", "mpt",
-                                    "xglm"])
+                                    "xglm", "llama4_text", "bitnet"])
 def test_hf_shapes_count_the_parameters_the_model_has(family, tmp_path):
     """``model_shape`` of an HF config holds the parameters the model built from it holds (on ``meta``):
     an MoE layer every expert and its router (Mixtral), shared experts too (Qwen2-MoE); a head width set
@@ -270,6 +276,12 @@ def test_hf_shapes_count_the_parameters_the_model_has(family, tmp_path):
                                              attention_types=[[["global", "local"], 1]]),
            "mpt": lambda: T.MptConfig(d_model=256, n_layers=2, n_heads=8, vocab_size=512, expansion_ratio=4),
            "xglm": lambda: T.XGLMConfig(d_model=256, num_layers=2, attention_heads=8, vocab_size=512, ffn_dim=1024),
+           # a shared expert no field names (Llama 4), a gated MLP whatever its activation (BitNet's relu2):
+           # read off the first layer, built on meta from a one-layer copy of the config
+           "llama4_text": lambda: T.Llama4TextConfig(**small, intermediate_size=128, intermediate_size_mlp=256,
+                                                     num_local_experts=4, num_experts_per_tok=1, num_key_value_heads=2,
+                                                     head_dim=32),
+           "bitnet": lambda: T.BitNetConfig(**small, intermediate_size=512, num_key_value_heads=2),
            }[family]()
     with torch.device("meta"):
         model = T.AutoModelForCausalLM.from_config(cfg)
