@@ -43,7 +43,7 @@ def main(argv=None):
     ap.add_argument("--tp", type=int, default=None, help="tensor-parallel size (default: WORLD_SIZE / pp)")
     ap.add_argument("--microbatches", type=int, default=4, help="microbatches per step when --pp > 1")
     ap.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
-    ap.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved)")
+    ap.add_argument("--virtual-stages", type=int, default=1, help="model chunks per rank (interleaved: 2 unless more are given)")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     ap.add_argument("--zero", type=int, default=0, choices=[0, 1], help="1: ZeRO-1 over dp")
     ap.add_argument("--save", default=None, help="write a checkpoint here halfway (autoshard.save)")

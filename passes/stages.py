@@ -72,7 +72,8 @@ def _transfer(values: tuple) -> tuple:
 def _replicated(values: tuple) -> bool:
     """Whether every value a cut sends is whole and the same on each tp rank (placed Replicate on tp, not
     a sequence shard): what the runtime's scatter/gather may send as t slices and gather again."""
-    return all(isinstance(M.SPEC.get(v, DistSpec()).on("tp"), Replicate) for v in values)
+    return all(isinstance(M.SPEC.get(v, None), DistSpec) and isinstance(M.SPEC.get(v).on("tp"), Replicate)
+               for v in values)     # a value without a placement is never sliced
 
 
 def _unpack(g: fx.Graph, ph: fx.Node, values: tuple, dtype: torch.dtype, env: dict) -> None:

@@ -120,10 +120,11 @@ def resolved_codegen(codegen: str) -> str:
 
 def scatter_gather_pays(backend: str) -> bool:
     """Whether ``scatter_gather="auto"`` sends a tp-replicated pipeline boundary as t slices (Narayanan et
-    al., SC'21, section 4.1): on NCCL, where pp's transfers cross the slow links between nodes, one NIC a
-    GPU, and the all-gather that rebuilds the boundary runs on NVLink inside a node, so a transfer costs
-    1/t of the bytes on the slow link. Not on gloo: one host's ranks share one link, so the slices save
-    nothing and the all-gather adds a collective. The planner prices a cluster's sends by the same rule
+    al., SC'21, section 4.1; Megatron's default): on NCCL, by the backend alone. Where pp's transfers cross
+    the slow links between nodes (one NIC a GPU) and tp stays on NVLink, a transfer then costs 1/t of the
+    bytes on the slow link; inside one NVLink node it trades 1 - 1/t of a transfer for an all-gather on
+    the same fabric, about even. Not on gloo: one host's ranks share one link, so the slices save nothing
+    and the all-gather adds a collective. The planner prices a cluster's sends by the same rule
     (``Cluster.backend``)."""
     return backend == "nccl"
 
@@ -147,7 +148,7 @@ class PipelineOptions:
     stretches: tuple | None = None
 
     def __post_init__(self):
-        if self.scatter_gather not in (True, False, "auto"):
+        if not (type(self.scatter_gather) is bool or self.scatter_gather == "auto"):
             raise ValueError(f"scatter_gather={self.scatter_gather!r}: True (each tp rank sends 1/t of a boundary "
                              "every tp rank holds whole, and the receivers all-gather it over tp), False (each "
                              "sends all of it), or 'auto' (on NCCL)")

@@ -103,8 +103,8 @@ class Chunk:
     out_shape: tuple             # local shape and dtype of what it returns
     out_dtype: torch.dtype
     last: bool
-    in_replicated: bool = False  # the boundary received is whole on every tp rank (tp > 1, no sequence
-    out_replicated: bool = False # shard), and so is what it sends: Megatron's scatter/gather may slice it
+    in_replicated: bool = False  # the boundary received is placed Replicate on tp (no sequence shard; at
+    out_replicated: bool = False # tp = 1 trivially), and so what it sends: scatter/gather may slice it
 
     @property
     def param_names(self) -> list:

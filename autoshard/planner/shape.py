@@ -11,6 +11,8 @@ import json
 import os
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -103,9 +105,14 @@ def model_shape(model, seq: int | None = None, name: str | None = None) -> Model
                           4 * config.n_embd, config.vocab_size, s, gated=False, tied=config.tie_weights,
                           positions=config.block_size)
     fields = config if isinstance(config, dict) else (config.to_dict() if hasattr(config, "to_dict") else vars(config))
+    if fields.get("is_encoder_decoder") or fields.get("decoder_layers"):
+        # their attribute_map names the encoder's sizes: a decoder priced by them is off by its depth
+        raise ValueError(f"{fields.get('model_type') or 'this config'} is an encoder-decoder model; the planner "
+                         "prices decoder-only stacks: pass a ModelShape(...) of its decoder instead")
     fields = _canonical(fields, config)
     shape = _from_hf(fields, seq, name)
-    return _with_layer_structure(shape, fields)
+    layer = _decoder_layer(model) if isinstance(model, torch.nn.Module) else _first_layer(fields)
+    return _with_layer_structure(shape, layer)
 
 
 # what a decoder layer's parameter names say of its MLP: a gate projection (SwiGLU / GeGLU: three matrices),
@@ -114,13 +121,13 @@ _GATES = ("gate_proj", "gate_up_proj", "w1", "w3", "gate_up")
 _SHARED = ("shared_expert", "shared_mlp", "shared_experts", "shared_experts_mlp")
 
 
-def _with_layer_structure(shape: ModelShape, fields: dict) -> ModelShape:
-    """``shape`` with its MLP read off the model's first layer, built on ``meta`` from a one-layer copy of
-    the config (nothing allocated): whether it is gated (a ``gate_proj``, whatever the activation is
-    called: Gemma's ``gelu_pytorch_tanh`` GeGLU, BitNet's ``relu2``), and the width of a shared expert the
-    config names in no field ``_from_hf`` knows (Llama 4's, Hunyuan's, Ernie 4.5's). Unchanged where
-    transformers cannot build the config."""
-    layer = _first_layer(fields)
+def _with_layer_structure(shape: ModelShape, layer) -> ModelShape:
+    """``shape`` with its MLP read off the model's first decoder layer (the model's own, or one built on
+    ``meta`` from a one-layer copy of its config: nothing allocated): whether it is gated (a ``gate_proj``,
+    whatever the activation is called: Gemma's ``gelu_pytorch_tanh`` GeGLU, BitNet's ``relu2``), and the
+    width of a shared expert the config names in no field ``_from_hf`` knows (Llama 4's, Hunyuan's, Ernie
+    4.5's). Layouts where the first layer is not every layer's (dense layers before MoE ones, MoE every
+    other layer) are refused by ``_uniform`` first. Unchanged where there is no layer to read."""
     if layer is None:
         return shape
     names = [n for n, _ in layer.named_parameters()]
@@ -142,7 +149,6 @@ def _first_layer(fields: dict):
     if not model_type:
         return None
     try:
-        import torch
         from transformers import AutoModelForCausalLM, CONFIG_MAPPING
         layers = fields.get("num_hidden_layers")
         # per-layer lists (layer_types, no_rope_layers, moe_layers) must match the one layer: the config's
@@ -153,12 +159,23 @@ def _first_layer(fields: dict):
             if key in one:
                 one[key] = 1
         config = CONFIG_MAPPING[model_type](**{k: v for k, v in one.items() if k != "model_type"})
-        with torch.device("meta"):
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):   # the caller's RNG stays where it was
             model = AutoModelForCausalLM.from_config(config)
     except Exception:  # noqa: BLE001 - any failure to build leaves the config's own reading
         return None
+    return _decoder_layer(model)
+
+
+def _decoder_layer(model):
+    """The first of ``model``'s decoder layers: the first module of a class HF names in
+    ``_no_split_modules`` (its decoder layer), else the first element of a ``ModuleList`` called
+    ``layers``, ``h`` or ``blocks``; None if neither is found."""
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == 1:
+        if type(module).__name__ in blocks:
+            return module
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and name.split(".")[-1] in ("layers", "h", "blocks"):
             return module[0]
     return None
 
@@ -187,6 +204,9 @@ def _canonical(fields: dict, config) -> dict:
 def _first(fields: dict, *keys, default=None):
     for k in keys:
         if fields.get(k) is not None:
+            if isinstance(fields[k], (list, tuple, dict)):
+                raise ValueError(f"the config's {k} varies per layer ({fields[k]!r:.60}): the planner prices "
+                                 "every layer alike; pass a ModelShape(...) of a representative layer instead")
             return fields[k]
     if default is None:
         raise ValueError(f"the config has none of {keys}: pass a ModelShape(...) instead")
@@ -202,8 +222,12 @@ def _uniform(fields: dict) -> None:
     if fields.get("kv_lora_rank") or fields.get("q_lora_rank"):
         why.append("its attention is multi-head latent attention (kv_lora_rank / q_lora_rank)")
     mixed = [k for k, dense in (("first_k_dense_replace", 0), ("mlp_only_layers", None), ("decoder_sparse_step", 1),
-                                ("expert_layer_period", 1), ("moe_layer_freq", 1))
+                                ("expert_layer_period", 1), ("moe_layer_freq", 1), ("moe_layer_start_index", 0),
+                                ("moe_layer_interval", 1), ("interleave_moe_layer_step", 1))
              if fields.get(k) not in (None, dense, [], ())]
+    layers, end = fields.get("num_hidden_layers"), fields.get("moe_layer_end_index")
+    if isinstance(end, int) and end >= 0 and isinstance(layers, int) and end < layers - 1:
+        mixed.append("moe_layer_end_index")
     if mixed:
         why.append(f"its layers mix dense and MoE MLPs ({', '.join(mixed)})")
     mixers = sorted({str(t) for key in ("layer_types", "block_types", "layers_block_type")
@@ -233,6 +257,8 @@ def _from_hf(fields: dict, seq, name) -> ModelShape:
         kv = 1               # Falcon's classic decoder: one k/v head whatever num_kv_heads says
 
     experts = int(_first(fields, "num_local_experts", "num_experts", "n_routed_experts", default=1) or 1)
+    if fields.get("is_moe") is False:      # Doge: experts configured, MoE off
+        experts = 1
     ffn = int(_first(fields, *(("moe_intermediate_size",) if experts > 1 else ()), "intermediate_size", "n_inner",
                      "ffn_dim", "ffn_hidden_size", default=4 * hidden) or 4 * hidden)
     shared = int(fields.get("shared_expert_intermediate_size") or fields.get("shared_intermediate_size") or 0) or \

@@ -292,7 +292,7 @@ def test_a_cut_value_renamed_by_a_later_rewrite_is_found_by_its_tag(monkeypatch)
 def test_a_boundary_whole_on_every_tp_rank_is_marked_for_scatter_gather():
     """``Chunk.in_replicated`` / ``out_replicated`` tell the runtime which transfers it may send as tp
     slices (``runtime/scatter_gather.py``): the residual stream at pp=2 x tp=2, not its sequence shard under
-    SP, and no tp at all at pp=2. ``scatter_gather`` takes True, False or "auto"."""
+    SP. ``scatter_gather`` takes True, False or "auto" (not 1: a truthy int would read as off)."""
     args = batch("gpt", 96, B=4)
     whole = autoshard.compile_pipeline(build("gpt", n_layer=2), {"pp": 2, "tp": 2}, 0, *args, microbatches=2)
     assert [(c.in_replicated, c.out_replicated) for c in whole.chunks] == [(False, True), (True, False)]
@@ -302,3 +302,5 @@ def test_a_boundary_whole_on_every_tp_rank_is_marked_for_scatter_gather():
     assert sp.chunks[1].in_shape == (2, 4, 32)                    # a sequence shard: 1/t already
     with pytest.raises(ValueError, match="scatter_gather='yes'"):
         autoshard.compile_pipeline(build("gpt", n_layer=2), {"pp": 2}, 0, *args, microbatches=2, scatter_gather="yes")
+    with pytest.raises(ValueError, match="scatter_gather=1"):
+        autoshard.compile_pipeline(build("gpt", n_layer=2), {"pp": 2}, 0, *args, microbatches=2, scatter_gather=1)

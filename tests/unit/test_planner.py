@@ -252,6 +252,22 @@ def test_shapes_from_the_builtin_gpt_on_meta_and_an_hf_config(tmp_path):
         model_shape(hybrid)
     with pytest.raises(ValueError, match=r"mixers other than softmax attention \(state-space\)"):
         model_shape(dict(llama, model_type="bamba", mamba_d_state=16))
+    # MoE on some layers only (Ernie 4.5 from layer 1, Llama 4 Maverick every other layer): the first layer
+    # is not every layer's
+    for key, value in (("moe_layer_start_index", 1), ("interleave_moe_layer_step", 2)):
+        with pytest.raises(ValueError, match=f"mix dense and MoE MLPs \\({key}\\)"):
+            model_shape(dict(llama, model_type="ernie4_5_moe", moe_num_experts=4, **{key: value}))
+    # an encoder-decoder's attribute_map names its encoder's sizes; a per-layer width is not one width
+    with pytest.raises(ValueError, match="mbart is an encoder-decoder model"):
+        model_shape(transformers.MBartConfig())
+    with pytest.raises(ValueError, match="intermediate_size varies per layer"):
+        model_shape(dict(llama, model_type="gemma3n_text", intermediate_size=[256, 512]))
+    # building the one-layer probe leaves the caller's RNG where it was
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    model_shape(transformers.DiffLlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                             intermediate_size=128, vocab_size=128))
+    assert torch.equal(state, torch.get_rng_state())
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gemma", "falcon", "falcon_new", "qwen3", "gpt_neo", "mpt",
@@ -398,6 +414,7 @@ def test_published_megatron_runs_are_predicted_within_15_percent():
     for row in ROWS:
         if row.runtime == "megatron":
             q, _ = theirs(row)
+            assert q is not None, f"{row.name}: no candidate has the published (t, p, d) and recompute"
             errors[row.name] = _rate(q, row.counts) / row.tflops - 1
     assert len(errors) >= 20
     assert {name: e for name, e in errors.items() if abs(e) > 0.15} == {}
