@@ -95,8 +95,10 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         timed[variant] = (pm, [])
     # the 2-layer programs' steps interleaved (A B C ... A B C ...): the shared host's noise hits all alike;
     # timed without the saved-tensor hook (a Python call per saved tensor), after one untimed round
+    # the order reverses every round (A B C, C B A, ...): a variant's place after another (a cache left warm
+    # or cold, a collective's partner still busy) is then the same for all on average
     for rep in range(args["reps"] + 1):
-        for pm, times in timed.values():
+        for pm, times in (list(timed.values()) if rep % 2 else list(timed.values())[::-1]):
             dist.barrier()
             seconds = _step_seconds(pm, x, y)
             if rep:
