@@ -7,8 +7,6 @@ mesh); ``parallelize`` calls it for this process's rank and instantiates the pro
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 import inspect
 import itertools
@@ -32,38 +30,15 @@ from autoshard.passes.capture import capture
 from autoshard.passes.dump_pipeline import write_pipeline
 from autoshard.passes.lower import collective_records, param_records
 from autoshard.passes.manager import PassContext, check_pass_list, run_passes
+from autoshard.passes.mixed_precision import COMPUTE_DTYPES, capture_in
 from autoshard.passes.stages import split_chunks
-from autoshard.passes.shapes import module_path
 from autoshard.planner.memory_ladder import memory_options
 from autoshard.runtime.comm import comms_for_mesh
 from autoshard.runtime.device import to_device
 from autoshard.runtime.module import ParallelModule
 from autoshard.runtime.microbatch import row_counts, split_batch
 
-COMPUTE_DTYPES = {"bf16": torch.bfloat16}
 log = logging.getLogger("autoshard")
-
-
-def compute_twin(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A weightless copy of ``model`` whose floating parameters are ``dtype``: what a mixed-precision
-    program is traced from (the real fp32 parameters stay in the ``ParallelModule``). Its parameters are
-    fake tensors on the model's own device, not ``meta`` ones: a forward that branches on its device
-    (HF's MoE counts tokens per expert with ``histc`` on floats on a CPU, on ints elsewhere; Falcon's
-    ALiBi builds its slopes where its mask lives) traces the branch the program will run. The buffers
-    are the model's own (shared, not copied: a trace reads them), so they keep their dtype (rotary
-    tables stay fp32, as the model computes them). A model built on ``meta`` gets a ``meta`` twin."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    on_meta = any(p.is_meta for p in model.parameters())
-    fake = contextlib.nullcontext() if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
-    memo = {}
-    with fake:
-        for p in model.parameters():
-            memo[id(p)] = nn.Parameter(torch.empty(p.shape, device="meta" if on_meta else p.device,
-                                                   dtype=dtype if p.is_floating_point() else p.dtype),
-                                       requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta") if on_meta else b
-    return copy.deepcopy(model, memo)
 
 
 @contextmanager
@@ -77,24 +52,6 @@ def _mode(model: nn.Module, training):
         yield
     finally:
         model.train(was)
-
-
-_MATMULS = {"linear", "mm", "addmm", "matmul", "bmm", "baddbmm", "scaled_dot_product_attention"}
-
-
-def _check_compute_dtypes(gm, dtype):
-    """Under mixed precision every matmul must see the compute dtype. An fp32 buffer (a sinusoidal
-    position table, say) added into the activations promotes them back to fp32 and would fail at the
-    first step inside the program: say which module, and what to do, at compile time instead."""
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or getattr(getattr(n.target, "overloadpacket", None), "__name__", "") not in _MATMULS:
-            continue
-        floats = {a.meta["val"].dtype for a in n.all_input_nodes
-                  if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].is_floating_point()}
-        if len(floats) > 1:
-            raise ValueError(f"mixed_precision: '{module_path(n)}' multiplies {sorted(map(str, floats))} tensors in "
-                             f"{n.target}: an fp32 buffer or constant reaches the {dtype} activations. Cast it in "
-                             "the model (for example `pe.to(x.dtype)`), or parallelize without mixed_precision")
 
 
 @contextmanager
@@ -131,33 +88,18 @@ def _with_loss(model, loss_fn, kwargs):
 def _capture(model, args, kwargs, options: CompileOptions, training: bool) -> Captured:
     """The model as export sees it in ``training`` mode (a bf16 twin under mixed precision), with
     ``options.loss_fn`` after it when given."""
-    traced = compute_twin(model, COMPUTE_DTYPES[options.mixed_precision]) if options.mixed_precision else model
-    # traced where the model is (a CPU model, GPU batches): the program runs on the mesh's device whatever
-    # device it was traced on (runtime/device.py)
-    where = next((t.device for t in itertools.chain(traced.parameters(), traced.buffers())), None)
-    if where is not None and where.type != "meta":
-        args, kwargs = to_device((tuple(args), kwargs), where)
-    kwargs = dict(kwargs or {})
-    with _mode(traced, training), _with_loss(traced, options.loss_fn, kwargs):
-        captured = capture(traced, tuple(args), kwargs)
+    def trace(traced):
+        # traced where the model is (a CPU model, GPU batches): the program runs on the mesh's device
+        # whatever device it was traced on (runtime/device.py)
+        where = next((t.device for t in itertools.chain(traced.parameters(), traced.buffers())), None)
+        a, kw = (to_device((tuple(args), kwargs), where) if where is not None and where.type != "meta"
+                 else (tuple(args), kwargs))
+        kw = dict(kw or {})
+        with _mode(traced, training), _with_loss(traced, options.loss_fn, kw):
+            return capture(traced, tuple(a), kw)
     if options.mixed_precision:
-        _check_compute_dtypes(captured.gm, COMPUTE_DTYPES[options.mixed_precision])
-        _real_constants(captured, model)
-    return captured
-
-
-def _real_constants(captured: Captured, model: nn.Module) -> None:
-    """The bf16 twin is weightless, so a tensor export lifted from a module attribute as a constant (HF
-    Llama's rotary ``original_inv_freq``, the same tensor as its ``inv_freq`` buffer) is on ``meta`` in
-    the trace. It is the model's own tensor: take it from the model by its name."""
-    for name, value in captured.constants.items():
-        if not (isinstance(value, torch.Tensor) and value.is_meta):
-            continue
-        real = model
-        for part in name.split("."):
-            real = getattr(real, part, None)
-        if isinstance(real, torch.Tensor) and not real.is_meta and real.shape == value.shape:
-            captured.constants[name] = real.detach().to(value.dtype)
+        return capture_in(model, COMPUTE_DTYPES[options.mixed_precision], trace)
+    return trace(model)
 
 
 def _recompute_resolved(options: CompileOptions, model: nn.Module) -> CompileOptions:

@@ -121,20 +121,21 @@ def test_heads_not_divisible_in_eager_attention():
         autoshard.compile_rank(model, {"tp": 3}, 0, *batch("gpt", 96))
 
 
-def test_mixed_precision_names_an_fp32_buffer_that_reaches_a_matmul():
-    class PositionTable(nn.Module):
+def test_mixed_precision_names_an_fp32_input_that_reaches_a_matmul():
+    """A float input added into the bf16 activations promotes them to fp32 (an fp32 buffer would be cast
+    on entry: ``passes/mixed_precision.py``, tested in ``tests/simulated/test_mixed_precision_twin.py``),
+    and the next matmul would meet fp32 activations and bf16 weights: an error naming it, at compile time."""
+    class FloatFeatures(nn.Module):
         def __init__(self):
             super().__init__()
             self.emb, self.fc = nn.Embedding(64, 16), nn.Linear(16, 16)
-            self.register_buffer("pe", torch.randn(8, 16))
 
-        def forward(self, ids):
-            h = self.emb(ids)
-            h = h + self.pe   # fp32 into bf16 activations: promotes them (an in-place += keeps bf16, and runs)
+        def forward(self, ids, features):
+            h = self.emb(ids) + features        # the user's fp32 tensor promotes the stream
             return self.fc(h).sum()
 
     with pytest.raises(ValueError, match=r"mixed_precision: 'fc' multiplies .*bfloat16.*float32.*Cast it in the model"):
-        autoshard.compile_rank(PositionTable(), {"tp": 2}, 0, (torch.randint(0, 64, (2, 8)),),
+        autoshard.compile_rank(FloatFeatures(), {"tp": 2}, 0, (torch.randint(0, 64, (2, 8)), torch.randn(2, 8, 16)),
                                options=autoshard.CompileOptions(mixed_precision="bf16"))
 
 
