@@ -25,9 +25,9 @@ import torch.nn as nn
 from autoshard.ir import meta as M
 from autoshard.ir.program import Captured
 from autoshard.passes.shapes import module_path
+from autoshard.passes.stage_prices import MATMULS
 
 COMPUTE_DTYPES = {"bf16": torch.bfloat16}
-_MATMULS = {"linear", "mm", "addmm", "matmul", "bmm", "baddbmm", "scaled_dot_product_attention"}
 aten = torch.ops.aten
 
 
@@ -76,7 +76,7 @@ def _float(n) -> torch.dtype | None:
 
 
 def _matmul(n: fx.Node) -> bool:
-    return n.op == "call_function" and getattr(getattr(n.target, "overloadpacket", None), "__name__", "") in _MATMULS
+    return n.op == "call_function" and getattr(getattr(n.target, "overloadpacket", None), "__name__", "") in MATMULS
 
 
 def _promoting_buffers(gm: fx.GraphModule, dtype: torch.dtype) -> frozenset:

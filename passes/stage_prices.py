@@ -26,7 +26,7 @@ from autoshard.passes.shapes import shape_of, val
 from autoshard.passes.weight_grad import _matmul_operands, parameter_of
 
 ADAM_BYTES_PER_PARAM_BYTE = 4      # the parameter, its gradient, and AdamW's two moments
-_MATMULS = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "scaled_dot_product_attention"}
+MATMULS = {"linear", "mm", "addmm", "bmm", "matmul", "baddbmm", "scaled_dot_product_attention"}
 _VIEWS = {"view", "reshape", "_unsafe_view", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze", "slice",
           "select", "split", "alias", "detach", "getitem", "contiguous", "clone"}
 # exp/log/tanh-class ops: on a CPU core their element rate, not the bytes they move, sets their time
@@ -62,7 +62,7 @@ def node_seconds(n: fx.Node, cm) -> float:
     moved = _nbytes(val(n)) + sum(_nbytes(val(a)) for a in n.all_input_nodes)
     if name in _VIEWS - {"contiguous", "clone"}:
         return cm.op_overhead / 4       # a view: no data moves, only the dispatch
-    work = f / cm.flops if name in _MATMULS else max(f / cm.flops, moved / cm.memory_bandwidth)
+    work = f / cm.flops if name in MATMULS else max(f / cm.flops, moved / cm.memory_bandwidth)
     if name in _TRANSCENDENTAL:
         first = val(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
         elements = max(val(n).numel() if isinstance(val(n), torch.Tensor) else 0,

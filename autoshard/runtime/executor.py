@@ -98,6 +98,10 @@ class Run:
         self.record = Recorded(self.sched.name, self.sched.pp, self.me, self.clock)
 
     # transfers ----------------------------------------------------------------------------------------
+    def _sliced(self, a: Action) -> bool:
+        """Whether ``a``'s tensor goes as tp slices (``runtime/scatter_gather.py``)."""
+        return self.scatter is not None and self.scatter.sliced(a)
+
     def _peer(self, a: Action) -> int:
         stage = a.stage + (1 if a.kind in (Kind.SEND_F, Kind.RECV_B) else -1)
         return self.sched.rank_of(stage)
@@ -111,7 +115,7 @@ class Run:
         if sending:
             key = ("F" if a.kind is Kind.SEND_F else "B", a.stage, a.microbatch)
             tensor = self.outbox.pop(key).contiguous()
-            if self.scatter is not None and self.scatter.sliced(a):
+            if self._sliced(a):
                 tensor = self.scatter.part(tensor)
             self.pending.append((a, dist.P2POp(dist.isend, tensor, peer, group=group,
                                                tag=_tag(a.kind, a.stage, a.microbatch, self.m)), tensor))
@@ -119,8 +123,8 @@ class Run:
             chunk = self.chunks[a.stage]
             forward = a.kind is Kind.RECV_F
             shape, dtype = (chunk.in_shape, chunk.in_dtype) if forward else (chunk.out_shape, chunk.out_dtype)
-            tensor = (self.scatter.buffer(shape, dtype, self.device) if self.scatter is not None and
-                      self.scatter.sliced(a) else torch.empty(shape, dtype=dtype, device=self.device))
+            tensor = (self.scatter.buffer(shape, dtype, self.device) if self._sliced(a)
+                      else torch.empty(shape, dtype=dtype, device=self.device))
             sender = a.stage - 1 if forward else a.stage + 1
             op = dist.P2POp(dist.irecv, tensor, peer, group=group, tag=_tag(a.kind, sender, a.microbatch, self.m))
             self.pending.append((a, op, tensor))
@@ -169,9 +173,8 @@ class Run:
             a, work, tensor = value
             t0 = self.clock.mark()
             self._wait(a, work)
-            if self.scatter is not None and self.scatter.sliced(a):
-                chunk = self.chunks[a.stage]
-                tensor = self.scatter.whole(tensor, chunk.in_shape if a.kind is Kind.RECV_F else chunk.out_shape, a)
+            if self._sliced(a):
+                tensor = self.scatter.whole(tensor, a)
             self.record.spans.append(Span(a, t0, self.clock.mark()))
             return tensor
         return value

@@ -46,9 +46,11 @@ class ScatterGather:
     def buffer(self, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
         return torch.empty(self._length(math.prod(shape)), dtype=dtype, device=device)
 
-    def whole(self, part: torch.Tensor, shape: tuple, a: Action) -> torch.Tensor:
-        """The tensor of ``shape`` made of every tp rank's received slice (counted as phase "p2p" in
+    def whole(self, part: torch.Tensor, a: Action) -> torch.Tensor:
+        """The tensor receive ``a`` stands for, made of every tp rank's slice (counted as phase "p2p" in
         ``pm.comm_counts()``: the transfers' own all-gathers, beside the program's planned collectives)."""
+        chunk = self.chunks[a.stage]
+        shape = chunk.in_shape if a.kind is Kind.RECV_F else chunk.out_shape
         return self.tp.all_gather(part, 0, "p2p")[:math.prod(shape)].view(shape)
 
 
