@@ -12,6 +12,7 @@ pays most over it), and why each faster configuration was not chosen (memory).
 """
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -185,6 +186,17 @@ def _sequence_parallel(t: int, seq: int, recompute: str) -> tuple:
     return tuple(sp for _, sp in rungs_for(t, seq, recompute))
 
 
+def _positive(name: str, value) -> int:
+    """``value`` as an int (numpy's too), or a ValueError naming the argument."""
+    try:
+        whole = operator.index(value)
+    except TypeError:
+        whole = None
+    if isinstance(value, bool) or whole is None or whole < 1:
+        raise ValueError(f"{name}={value!r}: give a positive whole number")
+    return whole
+
+
 def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int | None = None,
          flash: bool = True, top: int = 10, max_tp: int | None = None, progress=None,
          memory_limit: float | None = None) -> Plans:
@@ -196,6 +208,7 @@ def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int
     SP and selective or full recompute are among the candidates, so the fastest that fits uses them only
     as far as the limit needs. ``progress(done, total)`` is called while pricing."""
     start = time.perf_counter()
+    gpus, global_batch, top = (_positive(n, v) for n, v in (("gpus", gpus), ("global_batch", global_batch), ("top", top)))
     shape = model_shape(model, seq)
     cluster = cluster_named(cluster)
     # ZB-H1 fills the bubble with W, which buys nothing where ranks share cores: a rank idle in the bubble

@@ -112,7 +112,50 @@ def model_shape(model, seq: int | None = None, name: str | None = None) -> Model
     fields = _canonical(fields, config)
     shape = _from_hf(fields, seq, name)
     layer = _decoder_layer(model) if isinstance(model, torch.nn.Module) else _first_layer(fields)
-    return _with_layer_structure(shape, layer)
+    shape = _with_layer_structure(shape, layer)
+    _check_parameters(shape, model if isinstance(model, torch.nn.Module) else _built(fields))
+    return shape
+
+
+# how far the parameters a ModelShape prices may stray from the model's own before the reading is refused:
+# the families that plan are within 2% at their default sizes; a tiny test model's norms and biases,
+# which the shape leaves out, are a larger share (Persimmon at hidden 64: 1.3%)
+PARAMETER_TOLERANCE = 0.10
+
+
+def _check_parameters(shape: ModelShape, model) -> None:
+    """Raise where ``shape`` prices a model whose parameters it does not describe: a part the config
+    names in no field the planner reads (a per-layer embedding, an extra tower) would otherwise be left
+    out of every memory figure without a word. ``model`` is the user's, or one built on ``meta`` from
+    the config (None: nothing to compare with)."""
+    if model is None:
+        return
+    real = sum(p.numel() for p in model.parameters())
+    if not real or abs(shape.params() / real - 1) <= PARAMETER_TOLERANCE:
+        return
+    layers = _decoder_layer(model)
+    stack = {id(p) for m in model.modules() if type(m) is type(layers) for p in m.parameters()} if layers else set()
+    outside = sorted(((p.numel(), n) for n, p in model.named_parameters() if id(p) not in stack), reverse=True)[:3]
+    raise ValueError(f"{shape.name}: the planner reads {shape.params():,} parameters off its config ({shape}), but "
+                     f"the model has {real:,} ({shape.params() / real - 1:+.0%}); the largest outside its decoder "
+                     f"layers: {', '.join(f'{n} ({k:,})' for k, n in outside)}. A field the planner does not read "
+                     "changes its layers, or its ends are not the uniform decoder stack the planner prices: pass a "
+                     "ModelShape(...) that describes it instead")
+
+
+def _built(fields: dict):
+    """The model ``fields`` describes, built on ``meta`` (nothing allocated; the caller's RNG left where it
+    was), or None where transformers cannot build it."""
+    model_type = fields.get("model_type")
+    if not model_type:
+        return None
+    try:
+        from transformers import AutoModelForCausalLM, CONFIG_MAPPING
+        config = CONFIG_MAPPING[model_type](**{k: v for k, v in fields.items() if k != "model_type"})
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except Exception:  # noqa: BLE001 - nothing to compare with
+        return None
 
 
 # what a decoder layer's parameter names say of its MLP: a gate projection (SwiGLU / GeGLU: three matrices),
@@ -145,25 +188,16 @@ def _with_layer_structure(shape: ModelShape, layer) -> ModelShape:
 def _first_layer(fields: dict):
     """The first decoder layer of the model ``fields`` describes, built on ``meta`` with one layer (None
     where transformers is missing, has no such model, or cannot build it that small)."""
-    model_type = fields.get("model_type")
-    if not model_type:
-        return None
-    try:
-        from transformers import AutoModelForCausalLM, CONFIG_MAPPING
-        layers = fields.get("num_hidden_layers")
-        # per-layer lists (layer_types, no_rope_layers, moe_layers) must match the one layer: the config's
-        # own defaults take their place
-        one = {k: v for k, v in fields.items() if k not in ("layer_types", "moe_layers", "mlp_only_layers")
-               and not (isinstance(v, (list, tuple)) and layers and len(v) == layers)}
-        for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
-            if key in one:
-                one[key] = 1
-        config = CONFIG_MAPPING[model_type](**{k: v for k, v in one.items() if k != "model_type"})
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):   # the caller's RNG stays where it was
-            model = AutoModelForCausalLM.from_config(config)
-    except Exception:  # noqa: BLE001 - any failure to build leaves the config's own reading
-        return None
-    return _decoder_layer(model)
+    layers = fields.get("num_hidden_layers")
+    # per-layer lists (layer_types, no_rope_layers, moe_layers) must match the one layer: the config's
+    # own defaults take their place
+    one = {k: v for k, v in fields.items() if k not in ("layer_types", "moe_layers", "mlp_only_layers")
+           and not (isinstance(v, (list, tuple)) and layers and len(v) == layers)}
+    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+        if key in one:
+            one[key] = 1
+    model = _built(one)
+    return None if model is None else _decoder_layer(model)
 
 
 def _decoder_layer(model):
@@ -235,6 +269,12 @@ def _uniform(fields: dict) -> None:
     if mixers or any(k.startswith(("mamba_", "ssm_", "linear_conv", "conv_L")) for k in fields):
         why.append("its layers include mixers other than softmax attention ("
                    + (", ".join(mixers) or "state-space") + ")")
+    overrides = fields.get("per_layer_config")
+    if overrides:
+        why.append(f"its per_layer_config overrides layers {sorted(overrides)} ({next(iter(overrides.values()))!r:.60})")
+    if fields.get("hidden_size_per_layer_input"):
+        why.append("it feeds every layer an embedding of its own (hidden_size_per_layer_input, "
+                   "vocab_size_per_layer_input), which a ModelShape does not hold")
     if why:
         raise ValueError(f"the planner prices every layer alike, but {' and '.join(why)}: pass a "
                          "ModelShape(...) of a representative layer instead")

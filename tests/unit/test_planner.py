@@ -217,6 +217,9 @@ def test_nothing_fits_is_a_clear_error():
     plans = plan(BUILTIN["gpt-1t"], 8, "dgx-a100", 8)
     with pytest.raises(ValueError, match="no configuration of 8 GPUs fits .* the smallest needs"):
         plans.best
+    for kw, name in ((dict(gpus=0), "gpus=0"), (dict(global_batch=2.5), "global_batch=2.5"), (dict(top=-1), "top=-1")):
+        with pytest.raises(ValueError, match=f"{name}: give a positive whole number"):
+            plan(BUILTIN["gpt-1.7b"], **{"gpus": 8, "global_batch": 8, **kw})
 
 
 def test_shapes_from_the_builtin_gpt_on_meta_and_an_hf_config(tmp_path):
@@ -262,6 +265,17 @@ def test_shapes_from_the_builtin_gpt_on_meta_and_an_hf_config(tmp_path):
         model_shape(transformers.MBartConfig())
     with pytest.raises(ValueError, match="intermediate_size varies per layer"):
         model_shape(dict(llama, model_type="gemma3n_text", intermediate_size=[256, 512]))
+    # Gemma 4's heterogeneous layers (transformers' per_layer_config) and per-layer embeddings
+    with pytest.raises(ValueError, match=r"per_layer_config overrides layers \['01'\].* an embedding of its own \(hidden_size_per_layer_input"):
+        model_shape(dict(llama, model_type="gemma4_text", per_layer_config={"01": {"head_dim": 128}},
+                         hidden_size_per_layer_input=16, vocab_size_per_layer_input=1000))
+    # whatever the config's fields miss, a model with parameters its shape does not price is refused,
+    # naming the largest ones outside the decoder layers (here a tower added beside the stack)
+    with torch.device("meta"):
+        towered = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{k: v for k, v in llama.items() if k != "model_type"}))
+        towered.model.tower = torch.nn.Linear(2048, 2048)
+    with pytest.raises(ValueError, match=r"reads [\d,]+ parameters off its config .*, but the model has [\d,]+ \(-\d+%\).*model\.tower\.weight \(4,194,304\)"):
+        model_shape(towered)
     # building the one-layer probe leaves the caller's RNG where it was
     torch.manual_seed(0)
     state = torch.get_rng_state()
