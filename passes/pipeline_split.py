@@ -31,15 +31,15 @@ import torch
 import torch.fx as fx
 
 from autoshard.ir import meta as M
-from autoshard.ir.options import CostModel
+from autoshard.ir.options import CostModel, scatter_gather_on, uses_nccl
 from autoshard.ir.pipeline import STAGE_PLAN, StageCost, StagePlan
 from autoshard.ir.schedule import SPLIT_SCHEDULES, make_schedule, validate
 from autoshard.passes.shapes import val
 from autoshard.passes.schedule_auto import choose_schedule, choose_virtual, price_schedule, tries_the_v
 from autoshard.passes.activation_share import activation_share
 from autoshard.passes.chunk_loss import heads_with_the_loss
-from autoshard.passes.stage_prices import (PerRankRecompute, Segments, _nbytes, kept_for_w, layer_of, layer_prefix,
-                                           predict, price, simulation_costs)
+from autoshard.passes.stage_prices import (PerRankRecompute, Segments, _nbytes, boundary_link, kept_for_w, layer_of,
+                                           layer_prefix, predict, price, simulation_costs)
 
 class PipelineSplitError(ValueError):
     """The model cannot be cut as asked; the message says how it can be."""
@@ -222,6 +222,7 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         seg = price(gm, act, cands, cm, prefix, activation_share(gm, cands, tp, sp, selective=True), in_b)
     elif ctx.options.recompute is True:
         seg = whole.with_recompute(cands, share)
+    cm = boundary_link(cm, tp, sp, scatter_gather_on(opts.scatter_gather, "nccl" if uses_nccl() else "gloo"))
 
     def staged(name: str, v: int) -> StagePlan:
         return _stage_plan(gm, ctx, cm, name, v, cands, prefix, count, seg, whole)

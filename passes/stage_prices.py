@@ -11,6 +11,7 @@ beyond their positions.
 from __future__ import annotations
 
 import re
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -198,6 +199,21 @@ def predict(seg: Segments, cuts: list, schedule, tp: int, cm, cands: list, whole
     peak = {r: sim.peak_activation_bytes[r] + sum(costs[s].param_bytes for s in schedule.stages_of(r))
             for r in range(schedule.pp)}
     return costs, sim.step_time, peak
+
+
+def boundary_link(cm, tp: int, sequence_parallel, sliced: bool):
+    """``cm`` with its p2p link as one tp rank meets a boundary transfer, so a send is priced as the runtime
+    makes it. Whole on every tp rank by default; 1/t of it under SP (the boundary is a sequence shard);
+    1/t under Megatron's scatter/gather (``sliced``: ``runtime/scatter_gather.py``), which the receivers
+    then all-gather over tp, (t - 1)/t of the bytes on the tp link and t - 1 ring steps. Both are linear
+    in the bytes, so they fold into one bandwidth and latency."""
+    if tp == 1 or not (sequence_parallel or sliced):
+        return cm
+    seconds_a_byte, latency = 1 / (tp * cm.p2p_bandwidth), cm.p2p_latency
+    if not sequence_parallel:
+        seconds_a_byte += (tp - 1) / (tp * cm.bandwidth)
+        latency += (tp - 1) * cm.latency
+    return dataclasses.replace(cm, p2p_bandwidth=1 / seconds_a_byte, p2p_latency=latency)
 
 
 def simulation_costs(seg: Segments, cuts: list, schedule, tp: int, cm, cands: list, costs: list,

@@ -129,6 +129,12 @@ def scatter_gather_pays(backend: str) -> bool:
     return backend == "nccl"
 
 
+def scatter_gather_on(setting, backend: str) -> bool:
+    """Whether ``PipelineOptions.scatter_gather`` (True, False or "auto") slices the boundaries on
+    ``backend``: what the runtime runs and the stage balancer prices."""
+    return setting is True or (setting == "auto" and scatter_gather_pays(backend))
+
+
 @dataclass(frozen=True)
 class PipelineOptions:
     """How ``pm.step`` runs a batch: ``microbatches`` (m), the schedule, ``virtual_stages`` (v, model

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from autoshard.ir.options import scatter_gather_pays
+from autoshard.ir.options import scatter_gather_on
 from autoshard.ir.schedule import Action, Kind
 from autoshard.runtime.layout import pad_to
 
@@ -57,7 +57,6 @@ class ScatterGather:
 def scatter_gather(setting, tp, chunks: dict, backend: str) -> ScatterGather | None:
     """The step's ``ScatterGather`` where ``setting`` (``PipelineOptions.scatter_gather``) turns it on and
     there is a tp group; None: every transfer goes whole."""
-    on = setting is True or (setting == "auto" and scatter_gather_pays(backend))
-    if not on or tp.size == 1 or not any(c.in_replicated or c.out_replicated for c in chunks.values()):
+    if not scatter_gather_on(setting, backend) or tp.size == 1 or not any(c.in_replicated or c.out_replicated for c in chunks.values()):
         return None
     return ScatterGather(tp, chunks)

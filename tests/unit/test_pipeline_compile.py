@@ -304,3 +304,30 @@ def test_a_boundary_whole_on_every_tp_rank_is_marked_for_scatter_gather():
         autoshard.compile_pipeline(build("gpt", n_layer=2), {"pp": 2}, 0, *args, microbatches=2, scatter_gather="yes")
     with pytest.raises(ValueError, match="scatter_gather=1"):
         autoshard.compile_pipeline(build("gpt", n_layer=2), {"pp": 2}, 0, *args, microbatches=2, scatter_gather=1)
+
+
+def test_the_balancer_prices_a_send_as_the_runtime_makes_it():
+    """A boundary transfer costs a tp rank 1/t of the bytes under SP (a sequence shard) and under
+    scatter/gather (plus the receivers' all-gather over tp), the whole boundary otherwise: the stage
+    balancer and ``pipeline.md``'s simulation price it so (``stage_prices.boundary_link``)."""
+    from autoshard.passes.stage_prices import boundary_link
+    cm = CostModel(p2p_bandwidth=10e9, p2p_latency=1e-5, bandwidth=100e9, latency=2e-6)
+    nbytes = 4e6
+
+    def send(link):
+        return link.p2p_latency + nbytes / link.p2p_bandwidth
+    assert boundary_link(cm, 1, True, True) is cm and boundary_link(cm, 4, False, False) is cm
+    assert send(boundary_link(cm, 4, True, False)) == pytest.approx(1e-5 + nbytes / 4 / 10e9)
+    assert send(boundary_link(cm, 4, False, True)) == pytest.approx(1e-5 + nbytes / 4 / 10e9        # its slice
+                                                                    + 3 * 2e-6 + 3 / 4 * nbytes / 100e9)  # ring
+    args = batch("gpt", 96, B=4)
+    p2p = {}
+    for sp in (False, True):
+        for sg in (False, True):
+            prog = autoshard.compile_pipeline(build("gpt", n_layer=2), {"pp": 2, "tp": 2}, 0, *args, microbatches=2,
+                                              sequence_parallel=sp, scatter_gather=sg, cost_model=cm)
+            p2p[sp, sg] = prog.plan.simulation.p2p
+    boundary = 2 * 8 * 32 * 4                                       # a microbatch of the stream, fp32
+    assert p2p[False, False] == pytest.approx(1e-5 + boundary / 10e9)
+    assert p2p[True, False] == p2p[True, True] == pytest.approx(1e-5 + boundary / 2 / 10e9)
+    assert p2p[False, True] == pytest.approx(1e-5 + 2e-6 + boundary / 2 / 10e9 + boundary / 2 / 100e9)
