@@ -84,6 +84,7 @@ def markdown(result: dict, args: dict) -> str:
     cluster = result.pop("cluster")
     rows = {m: r for m, r in result.items() if r is not None}
     measured_best = min(rows, key=lambda m: rows[m]["measured"])
+    parts = list(next(iter(rows.values()))["breakdown"])       # the predicted step's parts (Breakdown.items)
     predicted_best = min(rows, key=lambda m: rows[m]["predicted"])
     lines = ["# The planner end to end on this machine (`python -m benchmarks.planner_e2e`)", "",
              f"GPT: {args['layers']} layers, hidden {args['hidden']}, 4 heads, vocab {args['vocab']}, seq {args['seq']}, "
@@ -94,12 +95,14 @@ def markdown(result: dict, args: dict) -> str:
              f"half at {cluster.gemm_half_dim:.0f}), memory {cluster.hbm_bandwidth / 1e9:.1f} GB/s, op overhead "
              f"{cluster.op_overhead * 1e6:.1f} us, all-reduce link {cluster.intra.bandwidth / 1e9:.2f} GB/s and "
              f"{cluster.intra.latency * 1e6:.0f} us a ring step.", "",
-             "| mesh (dp, pp, tp) | the planner's pick for it | predicted ms | measured ms | error |",
-             "|---|---|---|---|---|"]
+             "| mesh (dp, pp, tp) | the planner's pick for it | predicted ms | measured ms | error | predicted: "
+             + ", ".join(parts) + " (ms) |",
+             "|---|---|---|---|---|---|"]
     for m, r in rows.items():
         mark = (" (measured best)" if m == measured_best else "") + (" (predicted best)" if m == predicted_best else "")
+        split = " / ".join(f"{r['breakdown'][k] * 1e3:.1f}" for k in parts)
         lines.append(f"| {m}{mark} | {r['plan']} | {r['predicted'] * 1e3:.1f} | {r['measured'] * 1e3:.1f} | "
-                     f"{r['predicted'] / r['measured'] - 1:+.1%} |")
+                     f"{r['predicted'] / r['measured'] - 1:+.1%} | {split} |")
     gap = rows[predicted_best]["measured"] / rows[measured_best]["measured"] - 1
     lines += ["", f"The predicted best, {predicted_best}, measured {gap:+.1%} against the measured best, {measured_best}.",
               f"Worst error {max(abs(r['predicted'] / r['measured'] - 1) for r in rows.values()):.1%}.", ""]
