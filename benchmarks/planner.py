@@ -17,10 +17,26 @@ import os
 import time
 from dataclasses import dataclass
 
-from autoshard.planner import DGX_A100, DGX_H100, ModelShape, candidates, plan, predict
+from autoshard.planner import DGX_A100, DGX_H100, ModelShape, Runtime, candidates, plan, predict
 from autoshard.planner.shape import BUILTIN
 
 OUT = os.path.join(os.path.dirname(__file__), "results")
+
+
+# The runtimes that measured the published runs, as far as the planner prices them (``planner.cost.Runtime``).
+# Megatron-LM of 2021-22: ``train_step`` reduced the dp gradients after the whole forward-backward
+# (``optimizer.reduce_model_grads``; Megatron Core's overlapped reduction came later), in the training dtype
+# unless --accumulate-allreduce-grads-in-fp32, which is off by default and forced on for bf16 (its
+# arguments.py: "bfloat16 requires gradient accumulation and all-reduce to be done in fp32"). SC'21 trained in fp16.
+MEGATRON_FP16 = Runtime("megatron", dp_overlap=False, grad_bytes=2)
+MEGATRON_BF16 = Runtime("megatron", dp_overlap=False)
+# DeepSpeed's pipeline engine (MT-NLG; Megatron-DeepSpeed for BLOOM) reduces after the last backward (its
+# ReduceGrads instruction); bf16 runs with fp32 gradient accumulation
+DEEPSPEED_PIPELINE = Runtime("deepspeed", dp_overlap=False)
+# Meta's Llama 3 runtime: FSDP-style, the reduce-scatter overlapped with backward, gradients reduced in fp32
+# (the Llama 3 paper's numerical-stability notes). Korthikanti et al. do not name their dtype: MEGATRON_BF16,
+# the costlier reduction, is assumed (their table rows have d = 1, so it matters only for the abstract's d = 8)
+LLAMA3 = Runtime("llama3")
 
 
 @dataclass(frozen=True)
@@ -41,6 +57,7 @@ class Published:
                            # paper lists TP, CP, PP and FSDP-style DP: 8K-token activations need it to fit)
     note: str = ""         # what the row assumes, or why its figure is not the planner's kind of runtime
     runtime: str = "megatron"   # the runtime that measured it: the planner prices Megatron's kind
+    priced_as: Runtime = MEGATRON_FP16   # what that runtime does that the planner prices
 
 
 SC21 = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, "
@@ -74,9 +91,10 @@ def _korthikanti_table() -> list:
     rows = []
     for name, shape, t, p, batch, mfu, selective_s, full_s in KORTHIKANTI_ROWS:
         rows.append(Published(f"Korthikanti {name}, SP + selective", shape, DGX_A100, t * p, batch, t, p, 312 * mfu,
-                              "model", "selective", KORTHIKANTI_TABLES, sp=True))
+                              "model", "selective", KORTHIKANTI_TABLES, sp=True, priced_as=MEGATRON_BF16))
         rows.append(Published(f"Korthikanti {name}, full recompute", shape, DGX_A100, t * p, batch, t, p,
-                              312 * mfu * selective_s / full_s, "model", "full", KORTHIKANTI_TABLES))
+                              312 * mfu * selective_s / full_s, "model", "full", KORTHIKANTI_TABLES,
+                              priced_as=MEGATRON_BF16))
     return rows
 
 
@@ -85,29 +103,33 @@ ROWS = [Published(f"SC'21 {n}", BUILTIN[n], DGX_A100, g, B, t, p, tf, "hardware"
     Published("BLOOM-176B", ModelShape("bloom-176b", 70, 14336, 112, 112, 4 * 14336, 250880, 2048),
               DGX_A100, 384, 2048, 4, 12, 156, "hardware", "full",
               "BigScience, BLOOM: A 176B-Parameter Open-Access Multilingual Language Model (arXiv 2211.05100), "
-              "section 3.4: 384 A100 80GB, TP=4, PP=12, DP=8, ZeRO-1, 156 TFLOP/s per GPU"),
+              "section 3.4: 384 A100 80GB, TP=4, PP=12, DP=8, ZeRO-1, 156 TFLOP/s per GPU",
+              priced_as=DEEPSPEED_PIPELINE),
     Published("MT-NLG 530B (280 nodes)", BUILTIN["gpt-530b"], DGX_A100, 2240, 1920, 8, 35, 126, "hardware", "full",
               "Smith et al., Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B (arXiv 2201.11990), "
               "section 2.4: 280 DGX A100 nodes, TP=8, PP=35, batch 1920, 126 TFLOP/s per GPU", runtime="deepspeed",
+              priced_as=DEEPSPEED_PIPELINE,
               note="DeepSpeed's pipeline engine (1F1B, not interleaved) drove Megatron's layers. Megatron's own "
                    "runtime, on the same model, 2,240 A100s and (t, p), full recompute, is reported at 42.1% MFU "
                    "(Korthikanti et al., the rows below): 175 hardware TFLOP/s, 39% over this run's 126. The "
                    "planner prices Megatron's kind of runtime, so it lands between the two"),
     Published("MT-NLG 530B (420 nodes)", BUILTIN["gpt-530b"], DGX_A100, 3360, 1920, 8, 35, 113, "hardware", "full",
-              "as above: 420 nodes, 113 TFLOP/s per GPU", runtime="deepspeed"),
+              "as above: 420 nodes, 113 TFLOP/s per GPU", runtime="deepspeed", priced_as=DEEPSPEED_PIPELINE),
     Published("Korthikanti 530B, SP + selective", BUILTIN["gpt-530b"], DGX_A100, 2240, 2240, 8, 35, 0.542 * 312,
-              "model", "selective", KORTHIKANTI, sp=True, note=KORTHIKANTI_BATCH),
+              "model", "selective", KORTHIKANTI, sp=True, note=KORTHIKANTI_BATCH, priced_as=MEGATRON_BF16),
     Published("Korthikanti 530B, full recompute", BUILTIN["gpt-530b"], DGX_A100, 2240, 2240, 8, 35, 0.421 * 312,
-              "model", "full", "as above: 42.1% MFU with full recompute", note=KORTHIKANTI_BATCH),
+              "model", "full", "as above: 42.1% MFU with full recompute", note=KORTHIKANTI_BATCH,
+              priced_as=MEGATRON_BF16),
     Published("Llama 3 405B (8K GPUs)", ModelShape("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192,
                                                   gated=True, tied=False),
               DGX_H100, 8192, 2048, 8, 16, 430, "model", "none",
               "Llama Team, The Llama 3 Herd of Models (arXiv 2407.21783), Table 4: 8,192 H100, TP=8, CP=1, PP=16, "
-              "DP=64, 16M tokens a batch, 430 TFLOP/s per GPU (43% BF16 MFU)", flash=True, sp=True),
+              "DP=64, 16M tokens a batch, 430 TFLOP/s per GPU (43% BF16 MFU)", flash=True, sp=True,
+              priced_as=LLAMA3),
     Published("Llama 3 405B (16K GPUs)", ModelShape("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192,
                                                    gated=True, tied=False),
               DGX_H100, 16384, 2048, 8, 16, 400, "model", "none",
-              "as above: 16,384 H100, DP=128, 400 TFLOP/s per GPU (41% MFU)", flash=True, sp=True),
+              "as above: 16,384 H100, DP=128, 400 TFLOP/s per GPU (41% MFU)", flash=True, sp=True, priced_as=LLAMA3),
 ] + _korthikanti_table()
 
 
@@ -120,7 +142,7 @@ def theirs(row: Published):
     published recompute (None if none fits)."""
     d = row.gpus // (row.tp * row.pp)
     limit = row.cluster.hbm_bytes * row.cluster.usable_memory
-    preds = [predict(row.shape, row.cluster, c, row.flash) for c in candidates(row.shape, row.gpus, row.global_batch)
+    preds = [predict(row.shape, row.cluster, c, row.flash, row.priced_as) for c in candidates(row.shape, row.gpus, row.global_batch)
              if (c.tp, c.pp, c.dp, c.recompute) == (row.tp, row.pp, d, row.recompute) and bool(c.sp) == row.sp
              and not c.zb]           # the published runs predate zero-bubble schedules; Megatron's SP is either
                                      # of autoshard's (it keeps the shard and gathers it again in backward)
@@ -162,7 +184,10 @@ def markdown(rows: list) -> str:
              "`python -m benchmarks.planner`. TFLOP/s per GPU as each source counts them (hardware: Megatron-LM's "
              "formula, the recomputed forward included; model: MFU's numerator). *Predicted* is the planner's "
              "figure for the published (t, p, d), with its best microbatch, virtual stages and ZeRO setting and the "
-             "published recompute; *pick* is what `autoshard.plan` chooses for the same model, GPUs and batch.", "",
+             "published recompute, and the dp gradient reduction of the runtime that measured it (Megatron-LM's of "
+             "2021-22 and DeepSpeed's pipeline engine reduce after the last backward, SC'21's fp16 runs in fp16: "
+             "`Published.priced_as`); *pick* is what `autoshard.plan` chooses for the same model, GPUs and batch, "
+             "run by autoshard (its buckets reduced beside the last backward, in fp32).", "",
              "*Pick's step* is its predicted step time against the published configuration's (negative: predicted "
              "faster); *why* names the costs the published configuration pays more of.", "",
              "| run | GPUs | batch | published (t, p, d) | published TFLOP/s | predicted | error | pick | pick's step | why the picks differ | plan s |",

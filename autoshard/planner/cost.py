@@ -54,6 +54,19 @@ OPS_PER_TENSOR = 15       # a foreach AdamW's ops per parameter tensor (on a hos
 
 
 @dataclass(frozen=True)
+class Runtime:
+    """What the planner assumes of the program that runs a plan, beyond the plan: autoshard's own
+    (``AUTOSHARD``), unless the planner is set against a run another runtime measured
+    (``benchmarks/planner.py`` names each published run's)."""
+    name: str = "autoshard"
+    dp_overlap: bool = True     # the dp gradients are reduced beside the last backward (autoshard's buckets)
+    grad_bytes: int = FP32      # bytes a gradient element crosses the dp links in
+
+
+AUTOSHARD = Runtime()
+
+
+@dataclass(frozen=True)
 class Candidate:
     """One configuration to price (Megatron-LM's names)."""
     dp: int
@@ -191,8 +204,9 @@ def activation_bytes_per_layer(shape: ModelShape, b: int, t: int, recompute: str
     return s * b * h * per_token
 
 
-def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = True) -> Prediction:
-    """The step time and memory of ``c`` training ``shape`` on ``cluster``."""
+def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = True,
+            runtime: Runtime = AUTOSHARD) -> Prediction:
+    """The step time and memory of ``c`` training ``shape`` on ``cluster``, run by ``runtime``."""
     t, p, b, m, v = c.tp, c.pp, c.b, c.m, c.v
     s, h = shape.seq, shape.hidden
     tokens = b * s
@@ -227,7 +241,8 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
                                         recompute + tp, idle_round)
     p2p = 2 * _send_seconds(shape, cluster, c, tokens) * (m * v + p - 1) if p > 1 else 0.0
     # the dp buckets launch during the last backward (B and W, 1F1B's), or after the last W (ZB-H1)
-    dp_comm, optimizer = _data_parallel(shape, cluster, c, w if c.zb else 2.0 / 3.0 * round_time / v)
+    overlap = (w if c.zb else 2.0 / 3.0 * round_time / v) if runtime.dp_overlap else 0.0
+    dp_comm, optimizer = _data_parallel(shape, cluster, c, overlap, runtime.grad_bytes)
     # SP: the norms' weight and bias gradients are each tp rank's share, summed after the step's
     # backward in one all-reduce (ir/partial_grads), exposed
     norms = ring_all_reduce_seconds(FP32 * h * NORM_TENSORS * layers_per_rank, t, cluster.link(t, 1)) if c.sp else 0.0
@@ -344,9 +359,9 @@ def _rank_params(shape: ModelShape, c: Candidate) -> float:
     return layers + ends
 
 
-def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, overlap: float) -> tuple:
+def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, overlap: float, grad_bytes: int = FP32) -> tuple:
     """(exposed dp seconds, optimizer seconds); ``overlap``: seconds of backward the gradient all-reduce
-    runs beside."""
+    runs beside; ``grad_bytes``: of a gradient element on the dp links."""
     params = _rank_params(shape, c)
     opt_bytes = params * (FP32 * 6 + BF16)        # read/write master, m, v; read grad; write bf16 weights
     tensors = math.ceil(shape.layers / c.pp) * TENSORS_PER_LAYER + 4
@@ -354,7 +369,7 @@ def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, overlap: f
     if c.dp == 1:
         return 0.0, _with_host(cluster, _pointwise(cluster, opt_bytes), ops)
     link = cluster.link(c.dp, c.tp * c.pp)
-    reduce = ring_all_reduce_seconds(FP32 * params, c.dp, link)
+    reduce = ring_all_reduce_seconds(grad_bytes * params, c.dp, link)
     # the bucketed all-reduce runs beside the last backward; on a host whose cores the ranks already
     # share, the collective's own thread (gloo's copies and sums) takes a core from that backward instead
     hidden = overlap if cluster.oversubscription <= 1 else 0.0

@@ -453,3 +453,18 @@ def test_pipeline_sends_are_scattered_over_tp_where_the_runtime_scatters_them():
     sp = dataclasses.replace(c, recompute="selective", sp=True)
     assert len({predict(shape, DGX_A100.with_(backend=b), sp, flash=False).breakdown.p2p
                 for b in ("nccl", "gloo")}) == 1
+
+
+def test_a_runtime_that_reduces_after_backward_exposes_the_whole_dp_all_reduce():
+    """``Runtime``: autoshard reduces its dp buckets beside the last backward; a runtime that reduces after
+    it (Megatron-LM's of 2021-22) pays the whole ring all-reduce, of its gradients' bytes."""
+    from autoshard.planner import AUTOSHARD, Runtime
+    shape, c = BUILTIN["gpt-1.7b"], Candidate(dp=32, pp=1, tp=1, b=16, m=1, v=1, recompute="full", zero=0)
+    link = DGX_A100.link(32, 1)
+    ring = ring_all_reduce_seconds(4 * shape.params(), 32, link)
+    assert ring < predict(shape, DGX_A100, c, flash=False).breakdown.total / 4        # so the overlap hides it
+    assert predict(shape, DGX_A100, c, flash=False, runtime=AUTOSHARD).breakdown.dp_comm == 0.0
+    after = predict(shape, DGX_A100, c, flash=False, runtime=Runtime("megatron", dp_overlap=False))
+    assert after.breakdown.dp_comm == pytest.approx(ring, rel=1e-3)
+    half = predict(shape, DGX_A100, c, flash=False, runtime=Runtime("megatron", dp_overlap=False, grad_bytes=2))
+    assert half.breakdown.dp_comm == pytest.approx(ring_all_reduce_seconds(2 * shape.params(), 32, link), rel=1e-3)
