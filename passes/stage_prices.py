@@ -206,7 +206,9 @@ def boundary_link(cm, tp: int, sequence_parallel, sliced: bool):
     makes it. Whole on every tp rank by default; 1/t of it under SP (the boundary is a sequence shard);
     1/t under Megatron's scatter/gather (``sliced``: ``runtime/scatter_gather.py``), which the receivers
     then all-gather over tp, (t - 1)/t of the bytes on the tp link and t - 1 ring steps. Both are linear
-    in the bytes, so they fold into one bandwidth and latency."""
+    in the bytes, so they fold into one bandwidth and latency. Approximations: every boundary is priced
+    so, where the runtime slices only the tp-replicated ones (``Chunk.in_replicated``), and the t slices
+    are taken to cross t links (one NIC a GPU), not to share one."""
     if tp == 1 or not (sequence_parallel or sliced):
         return cm
     seconds_a_byte, latency = 1 / (tp * cm.p2p_bandwidth), cm.p2p_latency

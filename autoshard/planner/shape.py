@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger("autoshard")
 
 
 @dataclass(frozen=True)
@@ -125,22 +128,34 @@ PARAMETER_TOLERANCE = 0.10
 
 def _check_parameters(shape: ModelShape, model) -> None:
     """Raise where ``shape`` prices a model whose parameters it does not describe: a part the config
-    names in no field the planner reads (a per-layer embedding, an extra tower) would otherwise be left
-    out of every memory figure without a word. ``model`` is the user's, or one built on ``meta`` from
-    the config (None: nothing to compare with)."""
+    names in no field the planner reads (a per-layer embedding, an extra tower, a width in a nested
+    config) would otherwise be left out of every memory figure without a word. ``model`` is the user's,
+    or one built on ``meta`` from the config; None (transformers cannot build it) leaves the shape
+    unchecked, and says so. The message names where they differ: each decoder layer, or the ends."""
     if model is None:
+        log.warning("autoshard: %s: transformers cannot build this config, so the planner cannot check the %s "
+                    "parameters it reads off it against the model's own; pass a ModelShape(...) if they are off",
+                    shape.name, f"{shape.params():,}")
         return
     real = sum(p.numel() for p in model.parameters())
     if not real or abs(shape.params() / real - 1) <= PARAMETER_TOLERANCE:
         return
-    layers = _decoder_layer(model)
-    stack = {id(p) for m in model.modules() if type(m) is type(layers) for p in m.parameters()} if layers else set()
-    outside = sorted(((p.numel(), n) for n, p in model.named_parameters() if id(p) not in stack), reverse=True)[:3]
+    layer = _decoder_layer(model)
+    where = ""
+    if layer is not None:
+        held = sum(p.numel() for p in layer.parameters())
+        if abs(shape.layer_params() / held - 1) > PARAMETER_TOLERANCE:
+            where = (f"each decoder layer holds {held:,} ({type(layer).__name__}), the shape prices "
+                     f"{shape.layer_params():,}: a field the planner does not read changes its layers")
+        else:
+            stack = {id(p) for m in model.modules() if type(m) is type(layer) for p in m.parameters()}
+            outside = sorted(((p.numel(), n) for n, p in model.named_parameters() if id(p) not in stack),
+                             reverse=True)[:3]
+            where = ("its layers match, its ends do not; the largest parameters outside the decoder layers: "
+                     + ", ".join(f"{n} ({k:,})" for k, n in outside))
     raise ValueError(f"{shape.name}: the planner reads {shape.params():,} parameters off its config ({shape}), but "
-                     f"the model has {real:,} ({shape.params() / real - 1:+.0%}); the largest outside its decoder "
-                     f"layers: {', '.join(f'{n} ({k:,})' for k, n in outside)}. A field the planner does not read "
-                     "changes its layers, or its ends are not the uniform decoder stack the planner prices: pass a "
-                     "ModelShape(...) that describes it instead")
+                     f"the model has {real:,} ({shape.params() / real - 1:+.0%}){'; ' + where if where else ''}. "
+                     "The planner prices a uniform decoder stack: pass a ModelShape(...) that describes this model")
 
 
 def _built(fields: dict):
@@ -269,6 +284,8 @@ def _uniform(fields: dict) -> None:
     if mixers or any(k.startswith(("mamba_", "ssm_", "linear_conv", "conv_L")) for k in fields):
         why.append("its layers include mixers other than softmax attention ("
                    + (", ".join(mixers) or "state-space") + ")")
+    if isinstance(fields.get("ffn_config"), dict):      # MPT's attn_config holds options only, and is read
+        why.append("its MLP's sizes are nested in ffn_config (DBRX's experts and widths), which it does not read")
     overrides = fields.get("per_layer_config")
     if overrides:
         why.append(f"its per_layer_config overrides layers {sorted(overrides)} ({next(iter(overrides.values()))!r:.60})")

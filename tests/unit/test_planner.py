@@ -3,6 +3,7 @@ out of those costs on synthetic clusters, the CLI on a model that has no weights
 import copy
 import dataclasses
 import json
+import logging
 import math
 
 import pytest
@@ -222,7 +223,7 @@ def test_nothing_fits_is_a_clear_error():
             plan(BUILTIN["gpt-1.7b"], **{"gpus": 8, "global_batch": 8, **kw})
 
 
-def test_shapes_from_the_builtin_gpt_on_meta_and_an_hf_config(tmp_path):
+def test_shapes_from_the_builtin_gpt_on_meta_and_an_hf_config(tmp_path, caplog):
     cfg = GPTConfig(n_layer=3, n_embd=64, n_head=4, vocab_size=96, block_size=32)
     with torch.device("meta"):
         model = GPT(cfg)
@@ -276,6 +277,16 @@ def test_shapes_from_the_builtin_gpt_on_meta_and_an_hf_config(tmp_path):
         towered.model.tower = torch.nn.Linear(2048, 2048)
     with pytest.raises(ValueError, match=r"reads [\d,]+ parameters off its config .*, but the model has [\d,]+ \(-\d+%\).*model\.tower\.weight \(4,194,304\)"):
         model_shape(towered)
+    # DBRX's experts live in a nested ffn_config; CTRL's layer width in dff, which no field the planner
+    # reads names: refused, the latter by its layers' parameters
+    with pytest.raises(ValueError, match="nested in ffn_config"):
+        model_shape(dict(llama, model_type="dbrx", ffn_config={"moe_num_experts": 4, "ffn_hidden_size": 128}))
+    with pytest.raises(ValueError, match=r"each decoder layer holds [\d,]+ \(EncoderLayer\), the shape prices"):
+        model_shape(transformers.CTRLConfig(n_layer=2, n_embd=64, n_head=4, dff=512, vocab_size=100))
+    # a config transformers cannot build is priced unchecked, and says so
+    with caplog.at_level(logging.WARNING, logger="autoshard"):
+        model_shape(dict(llama, model_type="no_such_model"))
+    assert "cannot check" in caplog.text
     # building the one-layer probe leaves the caller's RNG where it was
     torch.manual_seed(0)
     state = torch.get_rng_state()
