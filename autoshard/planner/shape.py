@@ -114,9 +114,11 @@ def model_shape(model, seq: int | None = None, name: str | None = None) -> Model
                          "prices decoder-only stacks: pass a ModelShape(...) of its decoder instead")
     fields = _canonical(fields, config)
     shape = _from_hf(fields, seq, name)
-    layer = _decoder_layer(model) if isinstance(model, torch.nn.Module) else _first_layer(fields)
+    # the user's model, else the config built on meta once: its first layer is read, its parameters checked
+    whole = model if isinstance(model, torch.nn.Module) else _built(fields)
+    layer = _decoder_layer(whole) if whole is not None else _first_layer(fields)
     shape = _with_layer_structure(shape, layer)
-    _check_parameters(shape, model if isinstance(model, torch.nn.Module) else _built(fields))
+    _check_parameters(shape, whole)
     return shape
 
 
