@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.ir import meta as M
-from autoshard.ir.options import CostModel, scatter_gather_on, uses_nccl
+from autoshard.ir.options import CostModel, scatter_gather_on
 from autoshard.ir.pipeline import STAGE_PLAN, StageCost, StagePlan
 from autoshard.ir.schedule import SPLIT_SCHEDULES, make_schedule, validate
 from autoshard.passes.shapes import val
@@ -222,7 +222,7 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         seg = price(gm, act, cands, cm, prefix, activation_share(gm, cands, tp, sp, selective=True), in_b)
     elif ctx.options.recompute is True:
         seg = whole.with_recompute(cands, share)
-    cm = boundary_link(cm, tp, sp, scatter_gather_on(opts.scatter_gather, "nccl" if uses_nccl() else "gloo"))
+    cm = boundary_link(cm, tp, sp, scatter_gather_on(opts.scatter_gather))
 
     def staged(name: str, v: int) -> StagePlan:
         return _stage_plan(gm, ctx, cm, name, v, cands, prefix, count, seg, whole)

@@ -10,8 +10,8 @@ beyond their positions.
 """
 from __future__ import annotations
 
-import re
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import torch

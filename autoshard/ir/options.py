@@ -129,10 +129,10 @@ def scatter_gather_pays(backend: str) -> bool:
     return backend == "nccl"
 
 
-def scatter_gather_on(setting, backend: str) -> bool:
-    """Whether ``PipelineOptions.scatter_gather`` (True, False or "auto") slices the boundaries on
-    ``backend``: what the runtime runs and the stage balancer prices."""
-    return setting is True or (setting == "auto" and scatter_gather_pays(backend))
+def scatter_gather_on(setting) -> bool:
+    """Whether ``PipelineOptions.scatter_gather`` (True, False or "auto") slices the boundaries on this
+    process's backend (``uses_nccl``): what the runtime runs and the stage balancer prices."""
+    return setting is True or (setting == "auto" and scatter_gather_pays("nccl" if uses_nccl() else "gloo"))
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,7 @@ def model_shape(model, seq: int | None = None, name: str | None = None) -> Model
     whole = model if isinstance(model, torch.nn.Module) else _built(fields)
     layer = _decoder_layer(whole) if whole is not None else _first_layer(fields)
     shape = _with_layer_structure(shape, layer)
-    _check_parameters(shape, whole)
+    _check_parameters(shape, whole, layer)
     return shape
 
 
@@ -128,12 +128,13 @@ def model_shape(model, seq: int | None = None, name: str | None = None) -> Model
 PARAMETER_TOLERANCE = 0.10
 
 
-def _check_parameters(shape: ModelShape, model) -> None:
+def _check_parameters(shape: ModelShape, model, layer) -> None:
     """Raise where ``shape`` prices a model whose parameters it does not describe: a part the config
     names in no field the planner reads (a per-layer embedding, an extra tower, a width in a nested
     config) would otherwise be left out of every memory figure without a word. ``model`` is the user's,
     or one built on ``meta`` from the config; None (transformers cannot build it) leaves the shape
-    unchecked, and says so. The message names where they differ: each decoder layer, or the ends."""
+    unchecked, and says so. ``layer``: ``model``'s first decoder layer (None: not found). The message
+    names where they differ: each decoder layer, or the ends."""
     if model is None:
         log.warning("autoshard: %s: transformers cannot build this config, so the planner cannot check the %s "
                     "parameters it reads off it against the model's own; pass a ModelShape(...) if they are off",
@@ -142,7 +143,6 @@ def _check_parameters(shape: ModelShape, model) -> None:
     real = sum(p.numel() for p in model.parameters())
     if not real or abs(shape.params() / real - 1) <= PARAMETER_TOLERANCE:
         return
-    layer = _decoder_layer(model)
     where = ""
     if layer is not None:
         held = sum(p.numel() for p in layer.parameters())

@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autoshard.ir.options import uses_nccl
 from autoshard.ir.schedule import Action, Kind, whole_backwards
 from autoshard.ir.simulator import Span
 from autoshard.ir.weight_grad import WeightGrads, deferring, splitting
@@ -94,7 +93,7 @@ class Run:
         self.stream_waits = _backend() == "nccl"
         pipe = prog.options.pipeline
         self.scatter = scatter_gather(pipe.scatter_gather if pipe is not None else False,
-                                      runner.module.comms["tp"], self.chunks, "nccl" if uses_nccl() else "gloo")
+                                      runner.module.comms["tp"], self.chunks)
         self.record = Recorded(self.sched.name, self.sched.pp, self.me, self.clock)
 
     # transfers ----------------------------------------------------------------------------------------

@@ -54,9 +54,10 @@ class ScatterGather:
         return self.tp.all_gather(part, 0, "p2p")[:math.prod(shape)].view(shape)
 
 
-def scatter_gather(setting, tp, chunks: dict, backend: str) -> ScatterGather | None:
+def scatter_gather(setting, tp, chunks: dict) -> ScatterGather | None:
     """The step's ``ScatterGather`` where ``setting`` (``PipelineOptions.scatter_gather``) turns it on and
     there is a tp group; None: every transfer goes whole."""
-    if not scatter_gather_on(setting, backend) or tp.size == 1 or not any(c.in_replicated or c.out_replicated for c in chunks.values()):
+    if not scatter_gather_on(setting) or tp.size == 1 or not any(c.in_replicated or c.out_replicated
+                                                                  for c in chunks.values()):
         return None
     return ScatterGather(tp, chunks)
