@@ -39,6 +39,9 @@ DEEPSPEED_PIPELINE = Runtime("deepspeed", dp_overlap=False)
 # (the Llama 3 paper's numerical-stability notes). Korthikanti et al. do not name their dtype: MEGATRON_BF16,
 # the costlier reduction, is assumed (their table rows have d = 1, so it matters only for the abstract's d = 8)
 LLAMA3 = Runtime("llama3")
+# Megatron Core r0.8.0's weak-scaling runs (its README): the distributed optimizer (ZeRO-1 that
+# reduce-scatters the gradients), --overlap-grad-reduce, --overlap-param-gather and --tp-comm-overlap
+MEGATRON_CORE_OVERLAPPED = Runtime("megatron", sharded_grads=True, param_gather_overlap=True, tp_overlap=True)
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,40 @@ KORTHIKANTI_ROWS = [("22B", BUILTIN["gpt-22b"], 8, 1, 4, 0.415, 1.10, 1.42),
                     ("175B", BUILTIN["gpt-175b"], 8, 8, 64, 0.514, 13.75, 18.13),
                     ("530B", BUILTIN["gpt-530b"], 8, 35, 280, 0.560, 37.83, 49.05),
                     ("1T", BUILTIN["gpt-1t"], 8, 64, 512, 0.563, 71.49, 94.42)]
+
+MCORE = ("NVIDIA Megatron-LM README (Megatron Core r0.8.0), the weak-scaling table (images/model_table.png): GPT "
+         "models of 1.7B to 462B on 48 to 6,144 H100s, d = 48, vocabulary 131,072, sequence 4,096, per-GPU "
+         "TFLOP/s and MFU (of 989), with --overlap-grad-reduce, --overlap-param-gather and --tp-comm-overlap")
+MCORE_NOTE = ("the table gives neither the microbatch nor the recompute nor the schedule: none, the planner's best "
+              "b and v, and SP wherever t > 1 (--tp-comm-overlap needs it) are assumed; a 4h MLP, "
+              "untied embeddings and flash attention, which the parameter counts and the README's "
+              "Transformer Engine imply")
+# (name, heads, hidden, layers, t, p, global batch, TFLOP/s per GPU); d = 48 on every row
+MCORE_ROWS = [("1.7B", 16, 2048, 24, 1, 1, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 192, 465.9),
+              ("16B", 48, 6144, 32, 4, 1, 192, 489.1), ("32B", 56, 7168, 48, 8, 1, 192, 459.6),
+              ("70B", 64, 8192, 84, 8, 2, 384, 419.7), ("119B", 80, 10240, 92, 8, 4, 768, 420.5),
+              ("177B", 96, 12288, 96, 8, 6, 1152, 432.8), ("314B", 128, 16384, 96, 8, 8, 1536, 474.4),
+              ("462B", 144, 18432, 112, 8, 16, 3072, 459.9)]
+MCORE_STRONG = ("as above, the strong-scaling figure (images/strong_scaling.png): the 177B model on 96 to 4,608 "
+                "H100s at a global batch of 1,152, MFU 47% at the smallest and 42% at the largest (the README's text)")
+MCORE_STRONG_NOTE = ("the figure names no (t, p): (8, 6) is assumed, the weak-scaling table's for this model, "
+                     "which every GPU count of the figure (96, 144, 288, ..., 4,608) is a multiple of: d = 2 and 96")
+
+
+def _mcore_shape(name: str, heads: int, hidden: int, layers: int) -> ModelShape:
+    return ModelShape(f"mcore-{name}", layers, hidden, heads, heads, 4 * hidden, 131072, 4096, tied=False)
+
+
+def _mcore_table() -> list:
+    weak = [Published(f"Megatron Core {name}", _mcore_shape(name, heads, hidden, layers), DGX_H100, t * p * 48, batch,
+                      t, p, tflops, "model", "none", MCORE, flash=True, sp=t > 1,
+                      note=MCORE_NOTE if name == "1.7B" else "", priced_as=MEGATRON_CORE_OVERLAPPED)
+            for name, heads, hidden, layers, t, p, batch, tflops in MCORE_ROWS]
+    strong = [Published(f"Megatron Core 177B on {8 * 6 * d}", _mcore_shape("177B", 96, 12288, 96), DGX_H100, 8 * 6 * d,
+                        1152, 8, 6, mfu * 989, "model", "none", MCORE_STRONG, flash=True, sp=True,
+                        note=MCORE_STRONG_NOTE if d == 2 else "", priced_as=MEGATRON_CORE_OVERLAPPED)
+              for d, mfu in ((2, 0.47), (96, 0.42))]
+    return weak + strong
 
 
 def _korthikanti_table() -> list:
@@ -133,7 +170,7 @@ ROWS = [Published(f"SC'21 {n}", BUILTIN[n], DGX_A100, g, B, t, p, tf, "hardware"
                                                    gated=True, tied=False),
               DGX_H100, 16384, 2048, 8, 16, 400, "model", "none",
               "as above: 16,384 H100, DP=128, 400 TFLOP/s per GPU (41% MFU)", flash=True, sp=True, priced_as=LLAMA3),
-] + _korthikanti_table()
+] + _korthikanti_table() + _mcore_table()
 
 
 def _rate(q, counts: str) -> float:
@@ -165,13 +202,14 @@ def run() -> list:
     out = []
     for row in ROWS:
         start = time.perf_counter()
-        plans = plan(row.shape, row.gpus, row.cluster, row.global_batch, flash=row.flash)
+        # planned for the runtime that measured the row, so that the pick and the published configuration
+        # differ by the plan alone
+        plans = plan(row.shape, row.gpus, row.cluster, row.global_batch, flash=row.flash, runtime=row.priced_as)
         seconds = time.perf_counter() - start
         best = plans.best
         q, fits = theirs(row)
         predicted = _rate(q, row.counts) if q is not None else float("nan")
-        # the pick priced by the same runtime as the published configuration, so the two differ by the plan
-        mine = predict(row.shape, row.cluster, best.prediction.candidate, row.flash, row.priced_as)
+        mine = best.prediction
         same = (best.tp, best.pp) == (row.tp, row.pp)
         out.append(dict(name=row.name, gpus=row.gpus, batch=row.global_batch, published=(row.tp, row.pp, row.gpus // (row.tp * row.pp)),
                         published_tflops=row.tflops, counts=row.counts, predicted=predicted,
@@ -189,13 +227,14 @@ def markdown(rows: list) -> str:
              "`python -m benchmarks.planner`. TFLOP/s per GPU as each source counts them (hardware: Megatron-LM's "
              "formula, the recomputed forward included; model: MFU's numerator). *Predicted* is the planner's "
              "figure for the published (t, p, d), with its best microbatch, virtual stages and ZeRO setting and the "
-             "published recompute, and the dp gradient reduction of the runtime that measured it (Megatron-LM's of "
-             "2021-22 and DeepSpeed's pipeline engine reduce after the last backward, SC'21's fp16 runs in fp16: "
-             "`Published.priced_as`); *pick* is what `autoshard.plan` chooses for the same model, GPUs and batch, "
-             "run by autoshard (its buckets reduced beside the last backward, in fp32).", "",
-             "*Pick's step* is its predicted step time against the published configuration's, both priced with the "
-             "published run's runtime (negative: predicted faster); *why* names the costs the published "
-             "configuration pays more of.", "",
+             "published recompute, and the overlaps of the runtime that measured it (`Published.priced_as`: "
+             "Megatron-LM's of 2021-22 and DeepSpeed's pipeline engine reduce after the last backward, SC'21's fp16 "
+             "runs in fp16; Megatron Core r0.8 reduce-scatters beside backward, gathers beside the next forward and "
+             "pipelines its tp collectives under the GEMMs); *pick* is what `autoshard.plan(..., runtime=)` "
+             "chooses for the same model, GPUs and batch and that runtime's costs (its schedules include autoshard's "
+             "ZB-H1, which the published runs predate).", "",
+             "*Pick's step* is its predicted step time against the published configuration's (negative: predicted "
+             "faster); *why* names the costs the published configuration pays more of.", "",
              "| run | GPUs | batch | published (t, p, d) | published TFLOP/s | predicted | error | pick | pick's step | why the picks differ | plan s |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

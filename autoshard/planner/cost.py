@@ -23,6 +23,9 @@ Per microbatch of b sequences on one pipeline chunk (L / (p v) layers):
 - data parallelism: the gradients' ring all-reduce (fp32 main grads) on the dp group's link, less the
   part hidden behind the last microbatch's backward (as ``runtime/data_parallel.py`` overlaps it);
   ZeRO-1 adds the parameters' all-gather after the optimizer step and divides the optimizer's work.
+  A ``Runtime`` that reduce-scatters under ZeRO-1, gathers beside the next forward, or pipelines its tp
+  collectives under the GEMMs (Megatron Core's) hides more; whatever hides still takes
+  ``Cluster.comm_compute_share`` of its time from the compute beside it (``_exposed``).
 
 On a CPU host the measured cluster adds three facts a GPU cluster does not have: transcendental
 elements (GeLU's erf, softmax's exp) cost a measured rate, not only their bytes; ranks that share cores
@@ -61,6 +64,17 @@ class Runtime:
     name: str = "autoshard"
     dp_overlap: bool = True     # the dp gradients are reduced beside the last backward (autoshard's buckets)
     grad_bytes: int = FP32      # bytes a gradient element crosses the dp links in
+    # under ZeRO-1, each gradient is reduce-scattered to the dp rank that owns its optimizer state and the
+    # updated parameters all-gathered: Megatron's distributed optimizer, DeepSpeed's ZeRO. autoshard's
+    # ZeRO-1 all-reduces the gradients and each owner broadcasts its share (``runtime/zero.py``)
+    sharded_grads: bool = False
+    # ZeRO-1's parameter all-gather runs beside the next step's first forward (Megatron's
+    # --overlap-param-gather); else it is exposed after the optimizer step
+    param_gather_overlap: bool = False
+    # the layers' tp collectives are cut in chunks and pipelined under the GEMMs beside them (Megatron
+    # Core's --tp-comm-overlap, Transformer Engine's userbuffers); else they are exposed, as Megatron-LM's
+    # of 2021-22 and autoshard's are
+    tp_overlap: bool = False
 
 
 AUTOSHARD = Runtime()
@@ -220,7 +234,10 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     embedding, loss = _vocab_parallel_seconds(shape, cluster, c, tokens)
     # (compute, tp collectives) of a microbatch on the first, a middle and the last rank: the first adds
     # the embedding's collective, the last its loss's; the slowest of them paces the pipeline
-    tp = layers_per_rank * tp_layer
+    # the GEMMs a layer's tp collectives can run beside, where the runtime pipelines them: its weight
+    # GEMMs forward and twice in backward (and again when recomputed)
+    beside = (4 if c.recompute == "full" else 3) * w_layer if runtime.tp_overlap else 0.0
+    tp = layers_per_rank * _exposed(cluster, tp_layer, beside)
     stages = ([(per_micro, tp + embedding + loss)] if p == 1 else
               [(per_micro, tp + embedding), (per_micro, tp), (per_micro_last, tp + loss)])
     slowest, tp = max(stages, key=sum)
@@ -242,7 +259,9 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     p2p = 2 * _send_seconds(shape, cluster, c, tokens) * (m * v + p - 1) if p > 1 else 0.0
     # the dp buckets launch during the last backward (B and W, 1F1B's), or after the last W (ZB-H1)
     overlap = (w if c.zb else 2.0 / 3.0 * round_time / v) if runtime.dp_overlap else 0.0
-    dp_comm, optimizer = _data_parallel(shape, cluster, c, overlap, runtime.grad_bytes)
+    # ZeRO-1's parameter all-gather, where the runtime overlaps it, beside the next step's first forward
+    first_forward = layers_per_rank * f_layer / v if runtime.param_gather_overlap else 0.0
+    dp_comm, optimizer = _data_parallel(shape, cluster, c, overlap, runtime, first_forward)
     # SP: the norms' weight and bias gradients are each tp rank's share, summed after the step's
     # backward in one all-reduce (ir/partial_grads), exposed
     norms = ring_all_reduce_seconds(FP32 * h * NORM_TENSORS * layers_per_rank, t, cluster.link(t, 1)) if c.sp else 0.0
@@ -359,9 +378,22 @@ def _rank_params(shape: ModelShape, c: Candidate) -> float:
     return layers + ends
 
 
-def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, overlap: float, grad_bytes: int = FP32) -> tuple:
-    """(exposed dp seconds, optimizer seconds); ``overlap``: seconds of backward the gradient all-reduce
-    runs beside; ``grad_bytes``: of a gradient element on the dp links."""
+def _exposed(cluster: Cluster, comm: float, beside: float) -> float:
+    """Seconds ``comm`` seconds of communication add to a rank's step when the runtime runs them beside
+    ``beside`` seconds of compute: what does not fit beside it, and, for what does, the compute the
+    collective's kernels take (``cluster.comm_compute_share`` of its time). On a host whose cores the
+    ranks already share nothing hides: the collective's own thread (gloo's copies and sums) takes a core
+    from the compute beside it instead."""
+    hidden = min(comm, beside) if cluster.oversubscription <= 1 else 0.0
+    return comm - hidden + cluster.comm_compute_share * hidden
+
+
+def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, overlap: float,
+                   runtime: Runtime = AUTOSHARD, first_forward: float = 0.0) -> tuple:
+    """(exposed dp seconds, optimizer seconds); ``overlap``: seconds of backward the gradients' reduction
+    runs beside; ``first_forward``: seconds of the next step's forward ZeRO-1's parameter all-gather runs
+    beside (0: exposed); ``runtime``: how the gradients cross the dp links (their bytes, and whether
+    ZeRO-1 reduce-scatters them: half a ring all-reduce's traffic)."""
     params = _rank_params(shape, c)
     opt_bytes = params * (FP32 * 6 + BF16)        # read/write master, m, v; read grad; write bf16 weights
     tensors = math.ceil(shape.layers / c.pp) * TENSORS_PER_LAYER + 4
@@ -369,14 +401,13 @@ def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, overlap: f
     if c.dp == 1:
         return 0.0, _with_host(cluster, _pointwise(cluster, opt_bytes), ops)
     link = cluster.link(c.dp, c.tp * c.pp)
-    reduce = ring_all_reduce_seconds(grad_bytes * params, c.dp, link)
-    # the bucketed all-reduce runs beside the last backward; on a host whose cores the ranks already
-    # share, the collective's own thread (gloo's copies and sums) takes a core from that backward instead
-    hidden = overlap if cluster.oversubscription <= 1 else 0.0
-    exposed = max(0.0, reduce - hidden)
+    reduce = ring_all_reduce_seconds(runtime.grad_bytes * params, c.dp, link)
+    if c.zero and runtime.sharded_grads:
+        reduce /= 2                                  # a reduce-scatter: half a ring all-reduce
+    exposed = _exposed(cluster, reduce, overlap)
     if c.zero:
         gather = ring_all_reduce_seconds(BF16 * params, c.dp, link) / 2     # an all-gather: half a ring all-reduce
-        return exposed + gather, _with_host(cluster, _pointwise(cluster, opt_bytes / c.dp), ops)
+        return exposed + _exposed(cluster, gather, first_forward), _with_host(cluster, _pointwise(cluster, opt_bytes / c.dp), ops)
     return exposed, _with_host(cluster, _pointwise(cluster, opt_bytes), ops)
 
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from autoshard.planner.cluster import Cluster, cluster_named
-from autoshard.planner.cost import Candidate, Prediction, predict
+from autoshard.planner.cost import AUTOSHARD, Candidate, Prediction, Runtime, predict
 from autoshard.planner.shape import ModelShape, model_shape
 
 GiB = 2**30
@@ -199,14 +199,15 @@ def _positive(name: str, value) -> int:
 
 def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int | None = None,
          flash: bool = True, top: int = 10, max_tp: int | None = None, progress=None,
-         memory_limit: float | None = None) -> Plans:
+         memory_limit: float | None = None, runtime: Runtime = AUTOSHARD) -> Plans:
     """The configurations of ``gpus`` GPUs of ``cluster`` training ``model`` on ``global_batch``
     sequences a step, fastest first. ``model`` is a ``ModelShape``, the built-in GPT (config or model),
     an HF config (object, dict or ``config.json`` path) or model; ``seq`` overrides its context length.
     ``flash``: attention keeps no s x s matrix (FlashAttention / SDPA). ``memory_limit``: bytes per GPU a
     plan may hold, a hard constraint where it is below the cluster's usable memory (which it replaces);
     SP and selective or full recompute are among the candidates, so the fastest that fits uses them only
-    as far as the limit needs. ``progress(done, total)`` is called while pricing."""
+    as far as the limit needs. ``progress(done, total)`` is called while pricing. ``runtime``: the program
+    that will run the plan, autoshard's unless the plan is for another (``planner.cost.Runtime``)."""
     start = time.perf_counter()
     gpus, global_batch, top = (_positive(n, v) for n, v in (("gpus", gpus), ("global_batch", global_batch), ("top", top)))
     shape = model_shape(model, seq)
@@ -224,7 +225,7 @@ def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int
     limit = usable_bytes(cluster, memory_limit)
     fits, big = [], []
     for i, c in enumerate(pool):
-        pred = predict(shape, cluster, c, flash)
+        pred = predict(shape, cluster, c, flash, runtime)
         (fits if pred.memory.total <= limit else big).append(pred)
         if progress is not None and (i + 1) % 2000 == 0:
             progress(i + 1, len(pool))
