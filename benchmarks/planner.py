@@ -16,6 +16,7 @@ import argparse
 import os
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from autoshard.planner import DGX_A100, DGX_H100, ModelShape, Runtime, candidates, plan, predict
 from autoshard.planner.shape import BUILTIN
@@ -63,6 +64,7 @@ class Published:
     note: str = ""         # what the row assumes, or why its figure is not the planner's kind of runtime
     runtime: str = "megatron"   # the runtime that measured it: the planner prices Megatron's kind
     priced_as: Runtime = MEGATRON_CORE   # what that runtime does that the planner prices
+    zero: int | None = None     # the published ZeRO setting where the source gives it (else the planner's best)
 
 
 SC21 = ("Narayanan et al., Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, "
@@ -96,31 +98,51 @@ MCORE_NOTE = ("the table gives neither the microbatch nor the recompute nor the 
               "b and v, and SP wherever t > 1 (--tp-comm-overlap needs it) are assumed; a 4h MLP, "
               "untied embeddings and flash attention, which the parameter counts and the README's "
               "Transformer Engine imply")
-# (name, heads, hidden, layers, t, p, global batch, TFLOP/s per GPU); d = 48 on every row
-MCORE_ROWS = [("1.7B", 16, 2048, 24, 1, 1, 192, 408.8), ("7.1B", 32, 4096, 30, 2, 1, 192, 465.9),
-              ("16B", 48, 6144, 32, 4, 1, 192, 489.1), ("32B", 56, 7168, 48, 8, 1, 192, 459.6),
-              ("70B", 64, 8192, 84, 8, 2, 384, 419.7), ("119B", 80, 10240, 92, 8, 4, 768, 420.5),
-              ("177B", 96, 12288, 96, 8, 6, 1152, 432.8), ("314B", 128, 16384, 96, 8, 8, 1536, 474.4),
-              ("462B", 144, 18432, 112, 8, 16, 3072, 459.9)]
+MCORE_DP = 48
+
+
+class McoreRow(NamedTuple):
+    name: str
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    global_batch: int
+    tflops: float            # model TFLOP/s per GPU
+
+
+MCORE_ROWS = [McoreRow("1.7B", 16, 2048, 24, 1, 1, 192, 408.8), McoreRow("7.1B", 32, 4096, 30, 2, 1, 192, 465.9),
+              McoreRow("16B", 48, 6144, 32, 4, 1, 192, 489.1), McoreRow("32B", 56, 7168, 48, 8, 1, 192, 459.6),
+              McoreRow("70B", 64, 8192, 84, 8, 2, 384, 419.7), McoreRow("119B", 80, 10240, 92, 8, 4, 768, 420.5),
+              McoreRow("177B", 96, 12288, 96, 8, 6, 1152, 432.8), McoreRow("314B", 128, 16384, 96, 8, 8, 1536, 474.4),
+              McoreRow("462B", 144, 18432, 112, 8, 16, 3072, 459.9)]
 MCORE_STRONG = ("as above, the strong-scaling figure (images/strong_scaling.png): the 177B model on 96 to 4,608 "
                 "H100s at a global batch of 1,152, MFU 47% at the smallest and 42% at the largest (the README's text)")
 MCORE_STRONG_NOTE = ("the figure names no (t, p): (8, 6) is assumed, the weak-scaling table's for this model, "
                      "which every GPU count of the figure (96, 144, 288, ..., 4,608) is a multiple of: d = 2 and 96")
 
 
-def _mcore_shape(name: str, heads: int, hidden: int, layers: int) -> ModelShape:
-    return ModelShape(f"mcore-{name}", layers, hidden, heads, heads, 4 * hidden, 131072, 4096, tied=False)
+def _mcore_shape(row: McoreRow) -> ModelShape:
+    return ModelShape(f"mcore-{row.name}", row.layers, row.hidden, row.heads, row.heads, 4 * row.hidden, 131072, 4096,
+                      tied=False)
+
+
+def _mcore(name: str, row: McoreRow, dp: int, tflops: float, source: str, note: str) -> Published:
+    """A Megatron Core row: its distributed optimizer is ZeRO-1 (zero=1), --tp-comm-overlap needs SP."""
+    return Published(name, _mcore_shape(row), DGX_H100, row.tp * row.pp * dp, row.global_batch, row.tp, row.pp,
+                     tflops, "model", "none", source, flash=True, sp=row.tp > 1, note=note,
+                     priced_as=MEGATRON_CORE_OVERLAPPED, zero=1)
 
 
 def _mcore_table() -> list:
-    weak = [Published(f"Megatron Core {name}", _mcore_shape(name, heads, hidden, layers), DGX_H100, t * p * 48, batch,
-                      t, p, tflops, "model", "none", MCORE, flash=True, sp=t > 1,
-                      note=MCORE_NOTE if name == "1.7B" else "", priced_as=MEGATRON_CORE_OVERLAPPED)
-            for name, heads, hidden, layers, t, p, batch, tflops in MCORE_ROWS]
-    strong = [Published(f"Megatron Core 177B on {8 * 6 * d}", _mcore_shape("177B", 96, 12288, 96), DGX_H100, 8 * 6 * d,
-                        1152, 8, 6, mfu * 989, "model", "none", MCORE_STRONG, flash=True, sp=True,
-                        note=MCORE_STRONG_NOTE if d == 2 else "", priced_as=MEGATRON_CORE_OVERLAPPED)
-              for d, mfu in ((2, 0.47), (96, 0.42))]
+    weak = [_mcore(f"Megatron Core {row.name}", row, MCORE_DP, row.tflops, MCORE, MCORE_NOTE if i == 0 else "")
+            for i, row in enumerate(MCORE_ROWS)]
+    # the strong-scaling figure's ends: its model at the table's (t, p), MFU of the H100's peak
+    row = next(r for r in MCORE_ROWS if r.name == "177B")
+    strong = [_mcore(f"Megatron Core {row.name} on {row.tp * row.pp * dp}", row, dp, mfu * DGX_H100.peak_flops / 1e12,
+                     MCORE_STRONG, MCORE_STRONG_NOTE if i == 0 else "")
+              for i, (dp, mfu) in enumerate(((2, 0.47), (96, 0.42)))]
     return weak + strong
 
 
@@ -179,11 +201,12 @@ def _rate(q, counts: str) -> float:
 
 def theirs(row: Published):
     """The planner's prediction for the published (t, p, d): its best b, v and ZeRO that fit, with the
-    published recompute (None if none fits)."""
+    published recompute (and ZeRO, where the row gives it; None if no candidate is left)."""
     d = row.gpus // (row.tp * row.pp)
     limit = row.cluster.hbm_bytes * row.cluster.usable_memory
     preds = [predict(row.shape, row.cluster, c, row.flash, row.priced_as) for c in candidates(row.shape, row.gpus, row.global_batch)
              if (c.tp, c.pp, c.dp, c.recompute) == (row.tp, row.pp, d, row.recompute) and bool(c.sp) == row.sp
+             and row.zero in (None, c.zero)
              and not c.zb]           # the published runs predate zero-bubble schedules; Megatron's SP is either
                                      # of autoshard's (it keeps the shard and gathers it again in backward)
     fitting = [q for q in preds if q.memory.total <= limit]

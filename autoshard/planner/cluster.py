@@ -26,6 +26,13 @@ import torch
 import torch.distributed as dist
 
 
+# NCCL's channels over the SMs, and the HBM traffic a collective adds (see ``Cluster.comm_compute_share``):
+# set from those counts, then checked on the only published rows it moves (benchmarks/planner.py), not
+# tuned on them: 0.1, 0.2 and 0.3 keep Megatron Core's 11 H100 rows within 15.3, 12.9 and 10.6% (0:
+# 18.3%; 0.3 would fit them best), the Llama 3 rows within 4.1% at each
+NCCL_COMPUTE_SHARE = 0.2
+
+
 @dataclass(frozen=True)
 class Link:
     """One GPU's share of a link, per direction."""
@@ -65,9 +72,14 @@ class Cluster:
     # the share of a GPU's compute a collective running beside it takes: compute that hides T seconds of
     # communication runs this share of T longer. NCCL runs a collective as a thread block per channel
     # (16-32 channels on an A100's 108 or an H100's 132 SMs) and its bytes share HBM with the GEMMs:
-    # about a fifth (``NCCL_COMPUTE_SHARE``). 0 on a CPU host, where nothing hides (``oversubscription``)
-    comm_compute_share: float = 0.0
+    # about a fifth. None: ``NCCL_COMPUTE_SHARE`` on NCCL, 0 on gloo (a CPU host's ranks that share
+    # cores hide nothing at all: ``oversubscription``)
+    comm_compute_share: float | None = None
     source: str = ""
+
+    def __post_init__(self):
+        if self.comm_compute_share is None:
+            object.__setattr__(self, "comm_compute_share", NCCL_COMPUTE_SHARE if self.backend == "nccl" else 0.0)
 
     def gemm_efficiency(self, m: float, n: float, k: float) -> float:
         """The fraction of ``peak_flops`` a GEMM of (m x k) @ (k x n) reaches: ``gemm_max_efficiency``
@@ -130,7 +142,7 @@ class Cluster:
         draft = Cluster(name, gpus_per_node=world, peak_flops=peak, hbm_bytes=float(hbm), hbm_bandwidth=hbm_bw,
                         intra=link, inter=link, gemm_max_efficiency=top, gemm_half_dim=half, op_overhead=overhead,
                         oversubscription=oversub, transcendental_rate=transcendental, launch_ahead=cuda,
-                        backend="nccl" if cuda else "gloo", comm_compute_share=NCCL_COMPUTE_SHARE if cuda else 0.0,
+                        backend="nccl" if cuda else "gloo",
                         source=f"measured on {device.type} ({dtype}), {world} rank(s), {time.strftime('%Y-%m-%d')}")
         measured = [draft if cuda else _calibrated_on_a_layer(draft, repeats)]
         if world > 1:      # one cluster for every rank (rank 0's numbers), so every rank plans the same mesh
@@ -337,17 +349,12 @@ def _fit_link(samples, world: int) -> Link:
 
 
 # --- presets -------------------------------------------------------------------------------------------
-# NCCL's channels over the SMs, and the HBM traffic a collective adds (see ``Cluster.comm_compute_share``).
-# Not fitted: 0.1, 0.2 and 0.3 keep Megatron Core's 11 published H100 rows within 15.3, 12.9 and 10.6%
-# (0: 18.3%; benchmarks/planner.py), the Llama 3 rows within 4.1% at each
-NCCL_COMPUTE_SHARE = 0.2
-
 DGX_A100 = Cluster(
     "dgx-a100", gpus_per_node=8, peak_flops=312e12, hbm_bytes=80e9, hbm_bandwidth=2.039e12,
     # NVLink 3 through NVSwitch: 600 GB/s per GPU, both directions together; 8 x 200 Gb/s HDR
     # InfiniBand per node, one NIC per GPU: 25 GB/s per GPU per direction
     intra=Link(230e9, 5e-6), inter=Link(23e9, 10e-6),
-    gemm_max_efficiency=0.75, gemm_half_dim=64.0, comm_compute_share=NCCL_COMPUTE_SHARE,
+    gemm_max_efficiency=0.75, gemm_half_dim=64.0,
     source="NVIDIA A100 datasheet (312 TFLOP/s dense BF16, 80 GB HBM2e at 2,039 GB/s, NVLink 600 GB/s); "
            "DGX A100 user guide (8 x ConnectX-6 HDR 200 Gb/s); large bf16 GEMMs reach about 80% of peak "
            "(cuBLAS, as Megatron-LM's SC'21 paper measures for its GEMMs)")
@@ -357,7 +364,7 @@ DGX_H100 = Cluster(
     # NVLink 4 through NVSwitch: 900 GB/s per GPU, both directions together; 8 x 400 Gb/s NDR
     # InfiniBand per node, one NIC per GPU: 50 GB/s per GPU per direction
     intra=Link(450e9, 5e-6), inter=Link(50e9, 10e-6),
-    gemm_max_efficiency=0.75, gemm_half_dim=96.0, comm_compute_share=NCCL_COMPUTE_SHARE,
+    gemm_max_efficiency=0.75, gemm_half_dim=96.0,
     source="NVIDIA H100 SXM datasheet (989 TFLOP/s dense BF16, 80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s); "
            "DGX H100 user guide (8 x ConnectX-7 NDR 400 Gb/s); large bf16 GEMMs reach about 75% of peak "
            "on H100 (cuBLAS; the Llama 3 paper reports 38-43% MFU for whole steps)")

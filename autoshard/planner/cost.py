@@ -12,7 +12,8 @@ Per microbatch of b sequences on one pipeline chunk (L / (p v) layers):
 - compute: each GEMM at the cluster's efficiency for its shape (sharded t ways), backward twice the
   forward; memory-bound ops (norms, pointwise, softmax) at HBM bandwidth;
 - tensor parallelism: two all-reduces of the residual stream (b s h) per layer forward, two backward,
-  two more when the forward is recomputed, on the tp group's link; not overlapped (Megatron's are not);
+  two more when the forward is recomputed, on the tp group's link; exposed, unless the runtime pipelines
+  them under their GEMMs (``Runtime.tp_overlap``: Megatron Core's, under SP);
   the first rank adds the vocab-parallel embedding's all-reduce, the last the LM head's input gradient's
   and the loss's two small ones;
 - the pipeline: ``(m + (p - 1) / v)`` chunk-rounds of the slowest rank, so the bubble is
@@ -71,9 +72,10 @@ class Runtime:
     # ZeRO-1's parameter all-gather runs beside the next step's first forward (Megatron's
     # --overlap-param-gather); else it is exposed after the optimizer step
     param_gather_overlap: bool = False
-    # the layers' tp collectives are cut in chunks and pipelined under the GEMMs beside them (Megatron
-    # Core's --tp-comm-overlap, Transformer Engine's userbuffers); else they are exposed, as Megatron-LM's
-    # of 2021-22 and autoshard's are
+    # under SP, the layers' tp collectives are cut in chunks and pipelined under the GEMMs beside them
+    # (Megatron Core's --tp-comm-overlap, Transformer Engine's userbuffers, which needs SP); else they
+    # are priced exposed, as Megatron-LM's of 2021-22 are. autoshard's column-parallel matmul does run
+    # its input gradient's all-reduce beside dW (``ColumnParallelMatmul``): the planner does not credit it
     tp_overlap: bool = False
 
 
@@ -235,8 +237,10 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     # (compute, tp collectives) of a microbatch on the first, a middle and the last rank: the first adds
     # the embedding's collective, the last its loss's; the slowest of them paces the pipeline
     # the GEMMs a layer's tp collectives can run beside, where the runtime pipelines them: its weight
-    # GEMMs forward and twice in backward (and again when recomputed)
-    beside = (4 if c.recompute == "full" else 3) * w_layer if runtime.tp_overlap else 0.0
+    # GEMMs forward and twice in backward (and again when recomputed). A bound: userbuffers pairs each
+    # collective with the one GEMM beside it, so at a small h or a large t (the attention output's
+    # GEMM the tightest pair) less may hide
+    beside = (4 if c.recompute == "full" else 3) * w_layer if runtime.tp_overlap and c.sp else 0.0
     tp = layers_per_rank * _exposed(cluster, tp_layer, beside)
     stages = ([(per_micro, tp + embedding + loss)] if p == 1 else
               [(per_micro, tp + embedding), (per_micro, tp), (per_micro_last, tp + loss)])
@@ -259,7 +263,9 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     p2p = 2 * _send_seconds(shape, cluster, c, tokens) * (m * v + p - 1) if p > 1 else 0.0
     # the dp buckets launch during the last backward (B and W, 1F1B's), or after the last W (ZB-H1)
     overlap = (w if c.zb else 2.0 / 3.0 * round_time / v) if runtime.dp_overlap else 0.0
-    # ZeRO-1's parameter all-gather, where the runtime overlaps it, beside the next step's first forward
+    # ZeRO-1's parameter all-gather, where the runtime overlaps it, beside the next step's first forward:
+    # one microbatch through the first chunk (under the interleaved schedule, a lower bound: its warm-up
+    # runs p forwards of chunk 1 before chunk 2 needs its parameters)
     first_forward = layers_per_rank * f_layer / v if runtime.param_gather_overlap else 0.0
     dp_comm, optimizer = _data_parallel(shape, cluster, c, overlap, runtime, first_forward)
     # SP: the norms' weight and bias gradients are each tp rank's share, summed after the step's

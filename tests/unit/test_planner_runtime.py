@@ -5,8 +5,10 @@ import dataclasses
 
 import pytest
 
-from autoshard.planner import DGX_A100, DGX_H100, Candidate, Runtime, predict
-from autoshard.planner.cost import _exposed, _rank_params, ring_all_reduce_seconds
+from autoshard.planner import DGX_A100, DGX_H100, Candidate, Link, Runtime, plan, predict
+from autoshard.planner.cluster import NCCL_COMPUTE_SHARE
+from autoshard.planner.cost import (FP32, NORM_TENSORS, _exposed, _layer_seconds, _rank_params,
+                                    _vocab_parallel_seconds, ring_all_reduce_seconds)
 from autoshard.planner.shape import BUILTIN
 
 NO_SHARE = DGX_H100.with_(comm_compute_share=0.0)
@@ -22,15 +24,11 @@ def test_a_hidden_collective_costs_its_share_of_the_compute_beside_it():
     assert _exposed(DGX_A100.with_(oversubscription=2.0), 2.0, 5.0) == 2.0
 
 
-def test_the_dp_reduction_hidden_behind_backward_costs_its_share():
-    """autoshard reduces its buckets beside the last backward: on a GPU cluster all of a 1.7B model's
-    reduction fits there, and what is left is the compute its kernels take."""
-    shape, c = BUILTIN["gpt-1.7b"], Candidate(dp=32, pp=1, tp=1, b=16, m=1, v=1, recompute="full", zero=0)
-    ring = ring_all_reduce_seconds(4 * shape.params(), 32, DGX_A100.link(32, 1))
-    q = predict(shape, DGX_A100, c, flash=False)
-    assert ring < q.breakdown.total / 4
-    assert q.breakdown.dp_comm == pytest.approx(DGX_A100.comm_compute_share * ring, rel=1e-3)
-    assert predict(shape, DGX_A100.with_(comm_compute_share=0.0), c, flash=False).breakdown.dp_comm == 0.0
+def test_the_share_follows_the_backend_unless_given():
+    nccl = dataclasses.replace(DGX_H100, comm_compute_share=None)
+    gloo = dataclasses.replace(DGX_H100, comm_compute_share=None, backend="gloo")
+    assert (nccl.comm_compute_share, gloo.comm_compute_share) == (NCCL_COMPUTE_SHARE, 0.0)
+    assert dataclasses.replace(DGX_H100, comm_compute_share=0.05).comm_compute_share == 0.05
 
 
 def test_a_distributed_optimizer_reduce_scatters_the_gradients():
@@ -49,31 +47,69 @@ def test_a_distributed_optimizer_reduce_scatters_the_gradients():
     assert predict(shape, NO_SHARE, plain, runtime=sharded).breakdown.dp_comm == pytest.approx(ring)
 
 
-def test_the_parameter_gather_hides_behind_the_next_forward():
+@pytest.mark.parametrize("b,v,pp", [(4, 1, 1), (1, 1, 1), (1, 2, 4)])
+def test_the_parameter_gather_hides_behind_one_microbatch_of_the_first_chunk(b, v, pp):
+    """The gather runs beside the next step's first forward: one microbatch through the rank's first chunk
+    (a 7.5B model's tp shard gathers in about 35 ms; a 4-sequence microbatch's forward takes longer, a
+    1-sequence one about 10 ms, leaving the rest exposed)."""
     shape = BUILTIN["gpt-7.5b"]
-    c = Candidate(dp=16, pp=1, tp=8, b=4, m=8, v=1, recompute="none", zero=1)
-    link, params = DGX_H100.link(16, 8), _rank_params(shape, c)
-    reduce = ring_all_reduce_seconds(4 * params, 16, link) / 2
-    runtime = Runtime("x", dp_overlap=False, sharded_grads=True)
-    exposed = predict(shape, NO_SHARE, c, runtime=runtime).breakdown.dp_comm
-    assert exposed == pytest.approx(reduce + ring_all_reduce_seconds(2 * params, 16, link) / 2)
-    overlapped = predict(shape, NO_SHARE, c, runtime=dataclasses.replace(runtime, param_gather_overlap=True))
-    # a 7.5B model's tp shard gathers in 35 ms, beside a 4-sequence microbatch's 37 ms forward
-    assert overlapped.breakdown.dp_comm == pytest.approx(reduce)
-    assert exposed > overlapped.breakdown.dp_comm
-    shared = predict(shape, DGX_H100, c, runtime=dataclasses.replace(runtime, param_gather_overlap=True))
-    assert shared.breakdown.dp_comm == pytest.approx(reduce + DGX_H100.comm_compute_share * (exposed - reduce))
+    c = Candidate(dp=16, pp=pp, tp=8, b=b, m=32 // b, v=v, recompute="none", zero=1)
+    link, params = DGX_H100.link(16, 8 * pp), _rank_params(shape, c)
+    reduce, gather = ring_all_reduce_seconds(4 * params, 16, link) / 2, ring_all_reduce_seconds(2 * params, 16, link) / 2
+    window = -(-shape.layers // pp) * _layer_seconds(shape, NO_SHARE, c, b * shape.seq, True)[0] / v
+    runtime = Runtime("x", dp_overlap=False, sharded_grads=True, param_gather_overlap=True)
+    got = predict(shape, NO_SHARE, c, runtime=runtime).breakdown.dp_comm
+    assert got == pytest.approx(reduce + max(0.0, gather - window))
+    assert (gather < window) == (b == 4)
+    shared = predict(shape, DGX_H100, c, runtime=runtime).breakdown.dp_comm
+    assert shared == pytest.approx(got + DGX_H100.comm_compute_share * min(gather, window))
+
+
+def _tp_ends(shape, cluster, c) -> float:
+    """The tp collectives outside the layers, a step: the embedding's and the loss's a microbatch, and the
+    norms' shares summed once (p = 1)."""
+    embedding, loss = _vocab_parallel_seconds(shape, cluster, c, c.b * shape.seq)
+    norms = ring_all_reduce_seconds(FP32 * shape.hidden * NORM_TENSORS * shape.layers, c.tp, cluster.link(c.tp, 1))
+    return c.m * (embedding + loss) + norms
 
 
 def test_tp_collectives_pipelined_under_the_gemms_leave_the_model_ends_and_their_share():
-    """--tp-comm-overlap hides the layers' tp collectives under their GEMMs; the embedding's and the
-    loss's collectives stay exposed. With no share, the ends' are all that is left; with one, the
-    layers' collectives cost that share of themselves."""
+    """--tp-comm-overlap (under SP) hides the layers' tp collectives under their GEMMs; the embedding's,
+    the loss's and the norms' stay exposed, and what hides costs the cluster's share of itself."""
     shape = BUILTIN["gpt-18b"]
     c = Candidate(dp=1, pp=1, tp=8, b=1, m=8, v=1, recompute="none", zero=0, sp=True)
     overlap = Runtime("x", tp_overlap=True)
+    ends = _tp_ends(shape, NO_SHARE, c)
     exposed = predict(shape, NO_SHARE, c).breakdown.tp_comm
-    hidden = predict(shape, NO_SHARE, c, runtime=overlap).breakdown.tp_comm
-    assert 0 < hidden < exposed / 20          # the ends' collectives and the norms' sum, a few % of the layers'
+    assert predict(shape, NO_SHARE, c, runtime=overlap).breakdown.tp_comm == pytest.approx(ends)
     with_share = predict(shape, DGX_H100, c, runtime=overlap).breakdown.tp_comm
-    assert with_share == pytest.approx(hidden + DGX_H100.comm_compute_share * (exposed - hidden), rel=1e-6)
+    assert with_share == pytest.approx(ends + DGX_H100.comm_compute_share * (exposed - ends))
+    # on a link too slow to hide behind the GEMMs, what does not fit stays exposed
+    slow = NO_SHARE.with_(intra=Link(2e9, 5e-6))
+    f, _, collectives, w = _layer_seconds(shape, slow, c, shape.seq, True)
+    assert collectives > 3 * w
+    got = predict(shape, slow, c, runtime=overlap).breakdown.tp_comm
+    assert got == pytest.approx(_tp_ends(shape, slow, c) + c.m * shape.layers * (collectives - 3 * w))
+    # full recompute runs the forward's GEMMs again beside its collectives: 4 w of them
+    full = dataclasses.replace(c, recompute="full")
+    f, _, collectives, w = _layer_seconds(shape, slow, full, shape.seq, True)
+    got = predict(shape, slow, full, runtime=overlap).breakdown.tp_comm
+    assert got == pytest.approx(_tp_ends(shape, slow, full) + c.m * shape.layers * (collectives - 4 * w))
+
+
+def test_tp_overlap_needs_sequence_parallelism():
+    """Megatron's --tp-comm-overlap pipelines SP's all-gathers and reduce-scatters: without SP nothing hides."""
+    shape = BUILTIN["gpt-18b"]
+    c = Candidate(dp=1, pp=1, tp=8, b=1, m=8, v=1, recompute="none", zero=0, sp=False)
+    assert (predict(shape, DGX_H100, c, runtime=Runtime("x", tp_overlap=True)).breakdown.tp_comm
+            == predict(shape, DGX_H100, c).breakdown.tp_comm)
+
+
+def test_plan_prices_every_candidate_with_the_runtime_given():
+    shape = BUILTIN["gpt-7.5b"]
+    runtime = Runtime("x", dp_overlap=False, sharded_grads=True, param_gather_overlap=True, tp_overlap=True)
+    plans = plan(shape, 64, DGX_H100, 256, runtime=runtime, top=3)
+    for p in plans.ranked:
+        q = p.prediction
+        assert q.step_seconds == predict(shape, DGX_H100, q.candidate, True, runtime).step_seconds
+    assert plan(shape, 64, DGX_H100, 256, top=1).best.prediction.step_seconds != plans.best.prediction.step_seconds
