@@ -19,30 +19,17 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from autoshard.planner import DGX_A100, DGX_H100, ModelShape, Runtime, candidates, plan, predict
+from autoshard.planner.runtimes import (DEEPSPEED_PIPELINE, LLAMA3, MEGATRON_BF16, MEGATRON_CORE,
+                                        MEGATRON_CORE_OVERLAPPED, MEGATRON_FP16)
 from autoshard.planner.shape import BUILTIN
 
 OUT = os.path.join(os.path.dirname(__file__), "results")
 
 
-# The runtimes that measured the published runs, as far as the planner prices them (``planner.cost.Runtime``).
-# Megatron-LM of 2021-22: ``train_step`` reduced the dp gradients after the whole forward-backward
-# (``optimizer.reduce_model_grads``; Megatron Core's overlapped reduction came later), in the training dtype
-# unless --accumulate-allreduce-grads-in-fp32, which is off by default and forced on for bf16 (its
-# arguments.py: "bfloat16 requires gradient accumulation and all-reduce to be done in fp32"). SC'21 trained in fp16.
-MEGATRON_FP16 = Runtime("megatron", dp_overlap=False, grad_bytes=2)
-MEGATRON_BF16 = Runtime("megatron", dp_overlap=False)
-# Megatron Core with --overlap-grad-reduce (bf16, reduced in fp32): what a row names no runtime for is priced as
-MEGATRON_CORE = Runtime("megatron")
-# DeepSpeed's pipeline engine (MT-NLG; Megatron-DeepSpeed for BLOOM) reduces after the last backward (its
-# ReduceGrads instruction); bf16 runs with fp32 gradient accumulation
-DEEPSPEED_PIPELINE = Runtime("deepspeed", dp_overlap=False)
-# Meta's Llama 3 runtime: FSDP-style, the reduce-scatter overlapped with backward, gradients reduced in fp32
-# (the Llama 3 paper's numerical-stability notes). Korthikanti et al. do not name their dtype: MEGATRON_BF16,
-# the costlier reduction, is assumed (their table rows have d = 1, so it matters only for the abstract's d = 8)
-LLAMA3 = Runtime("llama3")
-# Megatron Core r0.8.0's weak-scaling runs (its README): the distributed optimizer (ZeRO-1 that
-# reduce-scatters the gradients), --overlap-grad-reduce, --overlap-param-gather and --tp-comm-overlap
-MEGATRON_CORE_OVERLAPPED = Runtime("megatron", sharded_grads=True, param_gather_overlap=True, tp_overlap=True)
+# The runtimes that measured the published runs (``autoshard/planner/runtimes.py`` says what each does).
+# Korthikanti et al. do not name their dtype: MEGATRON_BF16, the costlier reduction, is assumed (their table
+# rows have d = 1, so it matters only for the abstract's d = 8). A row that names no runtime is priced as
+# MEGATRON_CORE.
 
 
 @dataclass(frozen=True)

@@ -6,15 +6,17 @@
     pm = autoshard.parallelize(model, mesh, batch, plan=best)
 
 ``cluster.py`` holds the hardware as data (presets and ``Cluster.measure()``), ``shape.py`` the model's
-sizes, ``cost.py`` the step time and memory of one configuration, ``search.py`` the search and its
+sizes, ``cost.py`` the step time and memory of one configuration, ``runtimes.py`` the runtimes a plan can
+be priced for (autoshard's, Megatron's, DeepSpeed's), ``search.py`` the search and its
 reasons, ``report.py`` the table, ``plan.md`` and the plot, and ``cli.py`` ``python -m autoshard plan``.
 ``memory_ladder.py`` makes ``memory_limit`` a hard constraint for a mesh already chosen: the fastest of TP,
 + SP, + selective recompute, full recompute that fits (what ``parallelize(memory_limit=...)`` applies).
 """
 from autoshard.planner.cluster import DGX_A100, DGX_H100, PRESETS, Cluster, Link, cluster_named
 from autoshard.planner.cost import AUTOSHARD, Breakdown, Candidate, Memory, Prediction, Runtime, predict
+from autoshard.planner.runtimes import RUNTIMES, runtime_named
 from autoshard.planner.search import Plan, Plans, candidates, plan
 from autoshard.planner.shape import ModelShape, model_shape
 
 __all__ = ["plan", "Plan", "Plans", "Cluster", "Link", "DGX_A100", "DGX_H100", "PRESETS", "cluster_named",
-           "ModelShape", "model_shape", "Candidate", "Runtime", "AUTOSHARD", "Prediction", "Breakdown", "Memory", "predict", "candidates"]
+           "ModelShape", "model_shape", "Candidate", "Runtime", "AUTOSHARD", "RUNTIMES", "runtime_named", "Prediction", "Breakdown", "Memory", "predict", "candidates"]

@@ -14,6 +14,7 @@ import sys
 
 from autoshard.planner.cluster import PRESETS
 from autoshard.planner.report import plan_md, plot_svg, table
+from autoshard.planner.runtimes import RUNTIMES
 from autoshard.planner.search import plan
 from autoshard.planner.shape import BUILTIN, ModelShape, model_shape
 
@@ -49,6 +50,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-flash", action="store_true", help="attention keeps its s x s matrix (no FlashAttention)")
     ap.add_argument("--memory-limit", type=float, default=None,
                     help="GiB a GPU may hold (a hard limit below the cluster's usable memory)")
+    ap.add_argument("--runtime", default="autoshard", choices=sorted(RUNTIMES),
+                    help="the runtime the plan is for (default autoshard's; the others to hand a plan to Megatron "
+                         "or DeepSpeed)")
     ap.add_argument("--out", default="autoshard_plan", help="folder for plan.md and plan.svg ('none': write nothing)")
     args = ap.parse_args(argv)
     shape: ModelShape = _model(args.model, args.seq)
@@ -56,7 +60,7 @@ def main(argv=None) -> int:
           f"of {args.cluster}, global batch {args.global_batch} ...", file=sys.stderr, flush=True)
     limit = None if args.memory_limit is None else args.memory_limit * 2**30
     plans = plan(shape, args.gpus, args.cluster, args.global_batch, flash=not args.no_flash, top=args.top,
-                 memory_limit=limit,
+                 memory_limit=limit, runtime=args.runtime,
                  progress=lambda done, total: print(f"  priced {done}/{total}", file=sys.stderr, flush=True))
     print(table(plans))
     print(f"\n{plans.considered} configurations priced in {plans.seconds:.2f} s")

@@ -43,6 +43,7 @@ def plan_md(plans: Plans) -> str:
              f"{cluster.hbm_bytes / 1e9:.0f} GB at {cluster.hbm_bandwidth / 1e12:.2f} TB/s; inside a node "
              f"{cluster.intra.bandwidth / 1e9:.0f} GB/s, between nodes {cluster.inter.bandwidth / 1e9:.0f} GB/s "
              f"per GPU. Source: {cluster.source or '-'}", "",
+             _runtime_line(plans.runtime), "",
              "## The winner", "",
              f"`{best.label()}` ({best.schedule} schedule): `init_mesh(plan=p)` and `parallelize(..., plan=p)` "
              f"set `{best.mesh}` and `{best.parallelize_options()}`.", "",
@@ -60,6 +61,21 @@ def plan_md(plans: Plans) -> str:
               "", "## The alternatives", "", table(plans), "",
               f"{plans.considered} configurations priced in {plans.seconds:.2f} s.", ""]
     return "\n".join(lines)
+
+
+def _runtime_line(runtime) -> str:
+    """What the plans were priced for: autoshard's runtime, or another one's (the configuration to hand
+    to that runtime: ``parallelize`` runs autoshard's, whose step the prediction does not describe)."""
+    what = [name for name, on in (("the dp reduction beside backward", runtime.dp_overlap),
+                                  ("ZeRO-1 as a reduce-scatter", runtime.sharded_grads),
+                                  ("the parameter gather beside the next forward", runtime.param_gather_overlap),
+                                  ("tp collectives under their GEMMs (with SP)", runtime.tp_overlap)) if on]
+    overlaps = ", ".join(what) or "no overlap"
+    grads = f"gradients cross the dp links in {runtime.grad_bytes * 8}-bit"
+    if runtime.name == "autoshard":
+        return f"Runtime: autoshard's ({overlaps}; {grads})."
+    return (f"Runtime: priced for `{runtime.name}` ({overlaps}; {grads}): a configuration to hand to that runtime. "
+            "autoshard's own `parallelize` runs the same mesh with its own overlaps, at another step time.")
 
 
 def plot_svg(plans: Plans, width: int = 900, height: int = 420) -> str:

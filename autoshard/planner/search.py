@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from autoshard.planner.cluster import Cluster, cluster_named
 from autoshard.planner.cost import AUTOSHARD, Candidate, Prediction, Runtime, predict
+from autoshard.planner.runtimes import runtime_named
 from autoshard.planner.shape import ModelShape, model_shape
 
 GiB = 2**30
@@ -97,6 +98,7 @@ class Plans:
     seconds: float
     priced: list = field(default_factory=list)   # every configuration, as a Plan (its ``why`` empty)
     memory_limit: float | None = None            # bytes per GPU asked for (plan(memory_limit=...)), if any
+    runtime: Runtime = AUTOSHARD                 # the runtime every plan was priced for
 
     @property
     def limit(self) -> float:
@@ -199,7 +201,7 @@ def _positive(name: str, value) -> int:
 
 def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int | None = None,
          flash: bool = True, top: int = 10, max_tp: int | None = None, progress=None,
-         memory_limit: float | None = None, runtime: Runtime = AUTOSHARD) -> Plans:
+         memory_limit: float | None = None, runtime: Runtime | str = AUTOSHARD) -> Plans:
     """The configurations of ``gpus`` GPUs of ``cluster`` training ``model`` on ``global_batch``
     sequences a step, fastest first. ``model`` is a ``ModelShape``, the built-in GPT (config or model),
     an HF config (object, dict or ``config.json`` path) or model; ``seq`` overrides its context length.
@@ -207,11 +209,13 @@ def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int
     plan may hold, a hard constraint where it is below the cluster's usable memory (which it replaces);
     SP and selective or full recompute are among the candidates, so the fastest that fits uses them only
     as far as the limit needs. ``progress(done, total)`` is called while pricing. ``runtime``: the program
-    that will run the plan, autoshard's unless the plan is for another (``planner.cost.Runtime``)."""
+    that will run the plan, autoshard's unless the plan is for another (a ``planner.cost.Runtime``, or a
+    name of ``planner.runtimes.RUNTIMES``)."""
     start = time.perf_counter()
     gpus, global_batch, top = (_positive(n, v) for n, v in (("gpus", gpus), ("global_batch", global_batch), ("top", top)))
     shape = model_shape(model, seq)
     cluster = cluster_named(cluster)
+    runtime = runtime_named(runtime)
     # ZB-H1 fills the bubble with W, which buys nothing where ranks share cores: a rank idle in the bubble
     # already lends its core (``cost._shared_cores``). Measured on this 2-core host, pp=4 m=4: ZB-H1 68.3
     # ms, 1F1B 68.2; priced alike, the planner had predicted ZB-H1 13% faster
@@ -241,7 +245,7 @@ def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int
                for q in _distinct(faster)[:top]]
     priced = [_plan(q, True, "") for q in fits] + [_plan(q, False, "") for q in big]
     return Plans(shape, cluster, gpus, global_batch, ranked, too_big, len(pool), time.perf_counter() - start, priced,
-                 memory_limit)
+                 memory_limit, runtime)
 
 
 def _limit_word(cluster: Cluster, limit: float) -> str:

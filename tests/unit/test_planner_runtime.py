@@ -113,3 +113,27 @@ def test_plan_prices_every_candidate_with_the_runtime_given():
         q = p.prediction
         assert q.step_seconds == predict(shape, DGX_H100, q.candidate, True, runtime).step_seconds
     assert plan(shape, 64, DGX_H100, 256, top=1).best.prediction.step_seconds != plans.best.prediction.step_seconds
+
+
+def test_runtimes_by_name_and_a_clear_error_for_anything_else():
+    from autoshard.planner import RUNTIMES, runtime_named
+    assert runtime_named("megatron-core-overlapped").tp_overlap
+    assert runtime_named("AUTOSHARD") is RUNTIMES["autoshard"]
+    custom = Runtime("mine", dp_overlap=False)
+    assert runtime_named(custom) is custom
+    for bad in ("megatron", 3, None):
+        with pytest.raises(ValueError, match="runtime=.*autoshard.planner.Runtime"):
+            plan(BUILTIN["gpt-1.7b"], 8, DGX_H100, 64, runtime=bad)
+
+
+def test_the_cli_plans_for_another_runtime_and_plan_md_says_so(tmp_path, capsys):
+    from autoshard.__main__ import main
+    argv = ["plan", "--model", "gpt-7.5b", "--gpus", "64", "--cluster", "dgx-h100", "--global-batch", "256"]
+    assert main(argv + ["--runtime", "megatron-core-overlapped", "--out", str(tmp_path / "m")]) == 0
+    assert main(argv + ["--out", str(tmp_path / "a")]) == 0
+    megatron, own = ((tmp_path / d / "plan.md").read_text() for d in ("m", "a"))
+    assert "priced for `megatron-core-overlapped`" in megatron and "tp collectives under their GEMMs" in megatron
+    assert "Runtime: autoshard's (the dp reduction beside backward; gradients cross the dp links in 32-bit)" in own
+    with pytest.raises(SystemExit):
+        main(argv + ["--runtime", "nope", "--out", "none"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
