@@ -28,8 +28,8 @@ import torch.distributed as dist
 
 # NCCL's channels over the SMs, and the HBM traffic a collective adds (see ``Cluster.comm_compute_share``):
 # set from those counts, then checked on the only published rows it moves (benchmarks/planner.py), not
-# tuned on them: 0.1, 0.2 and 0.3 keep Megatron Core's 11 H100 rows within 15.3, 12.9 and 10.6% (0:
-# 18.3%; 0.3 would fit them best), the Llama 3 rows within 4.1% at each
+# tuned on them: 0.1, 0.2 and 0.3 keep Megatron Core's 11 H100 rows within 16.1, 13.6 and 11.2% (0:
+# 18.9%; 0.3 would fit them best), the Llama 3 rows within 4.1% at each
 NCCL_COMPUTE_SHARE = 0.2
 
 

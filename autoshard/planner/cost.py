@@ -77,6 +77,9 @@ class Runtime:
     # are priced exposed, as Megatron-LM's of 2021-22 are. autoshard's column-parallel matmul does run
     # its input gradient's all-reduce beside dW (``ColumnParallelMatmul``): the planner does not credit it
     tp_overlap: bool = False
+    # the interleaved schedule's pipeline sends and receives run beside the next chunk's compute (Megatron
+    # Core's overlap_p2p_comm, on by default with virtual stages); else each is exposed
+    p2p_overlap: bool = False
 
 
 AUTOSHARD = Runtime()
@@ -261,6 +264,8 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
         compute, bubble = _shared_cores(cluster, m, p, v, slowest, (per_micro * (p - 1) + per_micro_last) / p,
                                         recompute + tp, idle_round)
     p2p = 2 * _send_seconds(shape, cluster, c, tokens) * (m * v + p - 1) if p > 1 else 0.0
+    if runtime.p2p_overlap and v > 1:
+        p2p = _exposed(cluster, p2p, compute)
     # the dp buckets launch during the last backward (B and W, 1F1B's), or after the last W (ZB-H1)
     overlap = (w if c.zb else 2.0 / 3.0 * round_time / v) if runtime.dp_overlap else 0.0
     # ZeRO-1's parameter all-gather, where the runtime overlaps it, beside the next step's first forward:

@@ -69,7 +69,8 @@ def _runtime_line(runtime) -> str:
     what = [name for name, on in (("the dp reduction beside backward", runtime.dp_overlap),
                                   ("ZeRO-1 as a reduce-scatter", runtime.sharded_grads),
                                   ("the parameter gather beside the next forward", runtime.param_gather_overlap),
-                                  ("tp collectives under their GEMMs (with SP)", runtime.tp_overlap)) if on]
+                                  ("tp collectives under their GEMMs (with SP)", runtime.tp_overlap),
+                                  ("interleaved pipeline sends beside compute", runtime.p2p_overlap)) if on]
     overlaps = ", ".join(what) or "no overlap"
     grads = f"gradients cross the dp links in {runtime.grad_bytes * 8}-bit"
     if runtime.name == "autoshard":

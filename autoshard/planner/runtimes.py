@@ -22,9 +22,10 @@ MEGATRON_BF16 = Runtime("megatron-2022-bf16", dp_overlap=False)
 # Megatron Core with --overlap-grad-reduce (bf16, reduced in fp32)
 MEGATRON_CORE = Runtime("megatron-core")
 # Megatron Core r0.8.0's weak-scaling runs (its README): the distributed optimizer (ZeRO-1 that
-# reduce-scatters the gradients), --overlap-grad-reduce, --overlap-param-gather and --tp-comm-overlap
+# reduce-scatters the gradients), --overlap-grad-reduce, --overlap-param-gather, --tp-comm-overlap, and
+# the pipeline's sends overlapped ("PP (enabled by default)": overlap_p2p_comm, interleaved schedule)
 MEGATRON_CORE_OVERLAPPED = Runtime("megatron-core-overlapped", sharded_grads=True, param_gather_overlap=True,
-                                   tp_overlap=True)
+                                   tp_overlap=True, p2p_overlap=True)
 # DeepSpeed's pipeline engine (MT-NLG; Megatron-DeepSpeed for BLOOM) reduces after the last backward (its
 # ReduceGrads instruction); bf16 runs with fp32 gradient accumulation
 DEEPSPEED_PIPELINE = Runtime("deepspeed-pipeline", dp_overlap=False)

@@ -137,3 +137,18 @@ def test_the_cli_plans_for_another_runtime_and_plan_md_says_so(tmp_path, capsys)
     with pytest.raises(SystemExit):
         main(argv + ["--runtime", "nope", "--out", "none"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_interleaved_sends_run_beside_compute_where_the_runtime_overlaps_them():
+    """Megatron Core's overlap_p2p_comm: under the interleaved schedule the sends hide behind compute
+    (less the share); 1F1B's stay exposed, as they are in Megatron."""
+    shape = BUILTIN["gpt-145b"]
+    overlap = Runtime("x", p2p_overlap=True)
+    interleaved = Candidate(dp=1, pp=8, tp=8, b=1, m=64, v=4, recompute="none", zero=0)
+    exposed = predict(shape, DGX_H100, interleaved).breakdown
+    hidden = predict(shape, DGX_H100, interleaved, runtime=overlap).breakdown
+    assert exposed.p2p > 0 and exposed.p2p < exposed.compute
+    assert hidden.p2p == pytest.approx(DGX_H100.comm_compute_share * exposed.p2p)
+    plain = dataclasses.replace(interleaved, v=1)
+    assert (predict(shape, DGX_H100, plain, runtime=overlap).breakdown.p2p
+            == predict(shape, DGX_H100, plain).breakdown.p2p)
