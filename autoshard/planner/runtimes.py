@@ -2,7 +2,8 @@
 published runs ``benchmarks/planner.py`` checks the planner against. A ``Runtime`` says only what the
 planner prices beyond the plan (``planner/cost.py``): whether the dp reduction overlaps backward and in
 what dtype it travels, whether ZeRO-1 reduce-scatters, whether the parameter gather overlaps the next
-forward, and whether the tp collectives are pipelined under their GEMMs.
+forward, whether the tp collectives are pipelined under their GEMMs, and whether the interleaved
+schedule's sends overlap compute.
 
     autoshard.plan(model, 1024, "dgx-h100", 2048, runtime="megatron-core-overlapped")
 
