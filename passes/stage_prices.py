@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from autoshard.ir import meta as M
+from autoshard.ir.options import boundary_transfer
 from autoshard.ir.pipeline import StageCost
 from autoshard.ir.schedule import W_MEMORY, add_communication
 from autoshard.ir.simulator import Costs, simulate
@@ -202,20 +203,16 @@ def predict(seg: Segments, cuts: list, schedule, tp: int, cm, cands: list, whole
 
 
 def boundary_link(cm, tp: int, sequence_parallel, sliced: bool):
-    """``cm`` with its p2p link as one tp rank meets a boundary transfer, so a send is priced as the runtime
-    makes it. Whole on every tp rank by default; 1/t of it under SP (the boundary is a sequence shard);
-    1/t under Megatron's scatter/gather (``sliced``: ``runtime/scatter_gather.py``), which the receivers
-    then all-gather over tp, (t - 1)/t of the bytes on the tp link and t - 1 ring steps. Both are linear
-    in the bytes, so they fold into one bandwidth and latency. Approximations: every boundary is priced
-    so, where the runtime slices only the tp-replicated ones (``Chunk.in_replicated``), and the t slices
-    are taken to cross t links (one NIC a GPU), not to share one."""
+    """``cm`` with its p2p link as one tp rank meets a boundary transfer (``ir.options.boundary_transfer``),
+    so a send is priced as the runtime makes it: the transfer is linear in the bytes, so it folds into one
+    bandwidth and latency. Approximations: every boundary is priced so, where the runtime slices only the
+    tp-replicated ones (``Chunk.in_replicated``), and the t slices are taken to cross t links (one NIC a
+    GPU), not to share one."""
     if tp == 1 or not (sequence_parallel or sliced):
         return cm
-    seconds_a_byte, latency = 1 / (tp * cm.p2p_bandwidth), cm.p2p_latency
-    if not sequence_parallel:
-        seconds_a_byte += (tp - 1) / (tp * cm.bandwidth)
-        latency += (tp - 1) * cm.latency
-    return dataclasses.replace(cm, p2p_bandwidth=1 / seconds_a_byte, p2p_latency=latency)
+    send = boundary_transfer(tp, sequence_parallel, sliced, cm.p2p_bandwidth, cm.p2p_latency, cm.bandwidth,
+                             cm.latency)
+    return dataclasses.replace(cm, p2p_bandwidth=1 / send.seconds_a_byte, p2p_latency=send.latency)
 
 
 def simulation_costs(seg: Segments, cuts: list, schedule, tp: int, cm, cands: list, costs: list,

@@ -136,6 +136,32 @@ def scatter_gather_on(setting) -> bool:
 
 
 @dataclass(frozen=True)
+class BoundaryTransfer:
+    """One tp rank's share of a pipeline boundary transfer, linear in the boundary's bytes."""
+    seconds_a_byte: float
+    latency: float
+
+    def seconds(self, nbytes: float) -> float:
+        return nbytes * self.seconds_a_byte + self.latency
+
+
+def boundary_transfer(tp: int, sequence_parallel, sliced: bool, p2p_bandwidth: float, p2p_latency: float,
+                      tp_bandwidth: float, tp_latency: float) -> BoundaryTransfer:
+    """How one tp rank meets a pipeline boundary transfer, as the runtime makes it: whole on the p2p link
+    by default; 1/t of it under SP (the boundary is a sequence shard); 1/t under Megatron's scatter/gather
+    (``sliced``: ``runtime/scatter_gather.py``), which the receivers then all-gather over tp: (t - 1)/t of
+    the bytes on the tp link and t - 1 ring steps. The one rule the stage balancer
+    (``stage_prices.boundary_link``) and the planner (``planner.cost``) price sends by."""
+    if tp == 1 or not (sequence_parallel or sliced):
+        return BoundaryTransfer(1 / p2p_bandwidth, p2p_latency)
+    seconds_a_byte, latency = 1 / (tp * p2p_bandwidth), p2p_latency
+    if not sequence_parallel:
+        seconds_a_byte += (tp - 1) / (tp * tp_bandwidth)
+        latency += (tp - 1) * tp_latency
+    return BoundaryTransfer(seconds_a_byte, latency)
+
+
+@dataclass(frozen=True)
 class PipelineOptions:
     """How ``pm.step`` runs a batch: ``microbatches`` (m), the schedule, ``virtual_stages`` (v, model
     chunks per pipeline rank: only the interleaved schedule takes v > 1, and runs 2 unless told more),

@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from autoshard.ir.options import scatter_gather_pays
+from autoshard.ir.options import boundary_transfer, scatter_gather_pays
 
 from autoshard.planner.cluster import Cluster
 from autoshard.planner.shape import ModelShape
@@ -286,12 +286,10 @@ def _send_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: flo
     a sequence shard, 1/t of the bytes. Without, it is whole on every tp rank: where the runtime scatters
     it (``scatter_gather_pays(cluster.backend)``: NCCL) each tp rank sends 1/t and the receivers
     all-gather over tp (Megatron's scatter/gather, SC'21 section 4.1), else each sends all of it."""
-    link, nbytes = cluster.link(c.pp, c.tp), BF16 * tokens * shape.hidden
-    if c.sp:
-        return nbytes / c.tp / link.bandwidth + link.latency
-    if c.tp > 1 and scatter_gather_pays(cluster.backend):
-        return nbytes / c.tp / link.bandwidth + link.latency + ring_all_reduce_seconds(nbytes, c.tp, cluster.link(c.tp, 1)) / 2
-    return nbytes / link.bandwidth + link.latency
+    link, tp_link = cluster.link(c.pp, c.tp), cluster.link(c.tp, 1)
+    send = boundary_transfer(c.tp, c.sp, scatter_gather_pays(cluster.backend), link.bandwidth, link.latency,
+                             tp_link.bandwidth, tp_link.latency)
+    return send.seconds(BF16 * tokens * shape.hidden)
 
 
 def _vocab_parallel_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: float) -> tuple:
