@@ -63,6 +63,11 @@ def _projects(n) -> bool:
     return getattr(n.target, "overloadpacket", None) in _PROJECTIONS
 
 
+# the products an eager attention's scores come from, by the rank of the scores: (B, heads, T, T) from
+# ``matmul``, (B * heads, T, T) from ``bmm`` (XGLM's and other fairseq-style layers)
+_SCORES = {aten.matmul: 4, aten.bmm: 3}
+
+
 def _cores(gm):
     """``(first, q, k, v, output)`` for every attention in the graph: an SDPA call (first and output
     are the call), or ``q @ k^T`` (first) whose softmax feeds a product with ``v`` (output)."""
@@ -71,11 +76,11 @@ def _cores(gm):
             continue
         if n.target is aten.scaled_dot_product_attention.default:
             yield n, n.args[0], n.args[1], n.args[2], n
-        elif getattr(n.target, "overloadpacket", None) is aten.matmul and len(shape_of(n) or ()) == 4:
+        elif _SCORES.get(getattr(n.target, "overloadpacket", None)) == len(shape_of(n) or ()):
             scores = _softmax_of(n)
             if scores is None:
                 continue
-            pv = next((u for u in _descendants(scores) if getattr(u.target, "overloadpacket", None) is aten.matmul), None)
+            pv = next((u for u in _descendants(scores) if getattr(u.target, "overloadpacket", None) in _SCORES), None)
             if pv is not None:
                 yield n, n.args[0], n.args[1], pv.args[1], pv
 
@@ -100,8 +105,19 @@ def _descendants(n, depth=4):
     return out
 
 
-def _softmax_of(matmul):
-    return next((u for u in _descendants(matmul) if getattr(u.target, "overloadpacket", None) in _SOFTMAX), None)
+def _softmax_of(matmul, depth=8):
+    """The softmax the scores of ``matmul`` (``q @ k^T``) flow into, through the pointwise and layout ops
+    between them (scaling, soft-capping's tanh, the mask, GPT-OSS's sink logits concatenated), and no
+    further matmul or projection: None if none is within ``depth`` ops."""
+    frontier, seen = [matmul], {matmul}
+    for _ in range(depth):
+        frontier = [u for f in frontier for u in f.users if u not in seen and u.op == "call_function"]
+        seen.update(frontier)
+        found = next((u for u in frontier if getattr(u.target, "overloadpacket", None) in _SOFTMAX), None)
+        if found is not None:
+            return found
+        frontier = [u for u in frontier if not _projects(u) and u.target is not aten.bmm.default]
+    return None
 
 
 def attention_layouts(gm, t: int) -> list:

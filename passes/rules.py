@@ -17,6 +17,7 @@ import operator
 import torch
 
 from autoshard.ir.placement import P, R, Shard, block_sizes, shardable
+from autoshard.passes.rules_reduce import REDUCE_RULES, elementwise
 from autoshard.passes.rules_vocab import cross_entropy, embedding, logsumexp
 from autoshard.passes.shapes import map_shard_through_view, shape_of, squeezed_dims, val
 from autoshard.passes.strategy import RuleContext, Strategy, _ins, _replicated, blocks_order, shard_options
@@ -37,6 +38,7 @@ POINTWISE = {
     aten.clamp, aten.clamp_min, aten.clamp_max, aten.logical_not, aten.bitwise_not, aten.bitwise_or,
     aten.sign, aten.floor, aten.ceil, aten.round, aten.trunc, aten.fill, aten.zeros_like, aten.ones_like,
     aten.full_like, aten.empty_like, aten.hardtanh, aten.leaky_relu, aten.elu, aten.mish, aten.hardswish,
+    aten.floor_divide,
 }
 LINEAR_UNARY = {aten.neg, aten.alias, aten.clone, aten.contiguous, aten.to, aten._to_copy, aten.detach,
                 aten.type_as}
@@ -456,13 +458,15 @@ RULES = {
     aten.transpose: transpose, aten.permute: permute, aten.t: t_, aten.unsqueeze: unsqueeze, aten.squeeze: squeeze,
     aten.expand: expand, aten.split: split, aten.split_with_sizes: split,
     aten.view_as_complex: complex_view, aten.view_as_real: complex_view, aten.repeat_interleave: repeat_interleave,
-    aten.slice: slice_like, aten.select: slice_like, aten.narrow: slice_like, aten.cat: cat, aten.index: index,
+    aten.slice: slice_like, aten.select: slice_like, aten.narrow: slice_like, aten.index: index,
+    aten.cat: cat, aten.concat: cat, aten.concatenate: cat,
     aten.slice_scatter: scatter_like, aten.select_scatter: scatter_like,
     aten._softmax: softmax, aten.softmax: softmax, aten._log_softmax: softmax, aten.log_softmax: softmax,
     aten.sum: reduce_sum, aten.mean: reduce_sum,
     aten.layer_norm: layer_norm, aten.linear: linear, aten.mm: mm, aten.bmm: bmm, aten.baddbmm: baddbmm, aten.matmul: matmul,
     aten.scaled_dot_product_attention: sdpa, aten.embedding: embedding, aten.conv1d: depthwise_conv1d,
     aten.cross_entropy_loss: cross_entropy, aten.logsumexp: logsumexp,
+    **REDUCE_RULES,
 }
 VIEW_OPS = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
 
@@ -473,7 +477,7 @@ def strategies_for(node, ctx: RuleContext):
         return getitem(node, ctx)
     packet = getattr(node.target, "overloadpacket", None)
     tensor_args = [a for a in node.args if isinstance(a, torch.fx.Node)]
-    if packet in POINTWISE:
+    if packet in POINTWISE or (packet in (aten.max, aten.min) and elementwise(node)):
         return pointwise(node, ctx)
     if packet in RULES and len(set(tensor_args)) != len(tensor_args):
         return _replicated(node)  # x @ x: one node in two roles, which per-node placements cannot express

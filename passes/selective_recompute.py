@@ -11,7 +11,8 @@ attention of the graph (``attention.attentions``: an SDPA call, or a ``q @ k^T``
 product with ``v``) becomes one region, from its first node to its output in graph order, tagged with
 ``RECOMPUTE`` like a whole layer: the runtime (``runtime/recompute.py``) runs it under non-reentrant
 checkpoint with the RNG state restored, so dropout draws the same mask again in backward. A region
-holding a collective or an in-place write is left out, and ``plan.md`` says so.
+holding a forward collective or an in-place write is left out, and ``plan.md`` says so (a slice onto
+this rank's kv heads, whose only collective is its gradient's gather, is not a forward collective).
 """
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ from autoshard.passes.recompute import in_recompute_stages
 from autoshard.passes.shapes import module_path, writes_in_place
 
 
+def _communicates_forward(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether the module ``node`` calls would communicate when its forward runs again: any but a
+    parallel op whose collectives are all in backward (a slice of a replicated k or v onto this rank's
+    heads, whose gradient is gathered once, in the one backward a recompute still runs)."""
+    steps = getattr(gm.get_submodule(node.target), "steps", None)
+    return steps is None or any(step.phase != "bwd" for step in steps())
+
+
 def attention_core_regions(gm: fx.GraphModule) -> tuple[list, list]:
     """``([RecomputeRegion], [why an attention is not recomputed])``: one region per attention core."""
     nodes = list(gm.graph.nodes)
@@ -37,7 +46,7 @@ def attention_core_regions(gm: fx.GraphModule) -> tuple[list, list]:
         lo, hi = index[first], index[out]
         inside = nodes[lo:hi + 1]
         where = module_path(first)
-        blocker = next((n for n in inside if n.op == "call_module"), None)
+        blocker = next((n for n in inside if n.op == "call_module" and _communicates_forward(gm, n)), None)
         if blocker is not None:
             skipped.append(f"`{where}`: its attention core holds `{blocker.name}`, a collective, which a recompute "
                            "would run again on this rank alone")
@@ -64,7 +73,8 @@ def selective_recompute_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         for n in nodes[region.first_index:region.last_index + 1]:
             if n.op not in ("placeholder", "output"):
                 RECOMPUTE.set(n, k)
-    reason = "" if regions else "no attention (an SDPA call, or q @ k^T into a softmax into a product with v) was found"
+    reason = "" if regions or skipped else ("no attention (an SDPA call, or q @ k^T into a softmax into a "
+                                            "product with v) was found")
     plan = gm.meta[RECOMPUTE_PLAN] = RecomputePlan(tuple(regions), reason, tuple(skipped), kind="selective")
     if not regions:
         warnings.warn(f"autoshard: recompute='selective' was asked for, but {plan.reason or '; '.join(skipped)}: "

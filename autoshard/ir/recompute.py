@@ -33,7 +33,7 @@ class RecomputePlan:
         """The ``plan.md`` section."""
         L = ["## Activation recompute", ""]
         if not self.regions:
-            return L + [f"- none: {self.reason}"] + [f"- {s}" for s in self.skipped] + [""]
+            return L + [f"- none: {self.reason or 'every candidate was left out'}"] + [f"- {s}" for s in self.skipped] + [""]
         if self.kind == "selective":
             L += [f"Selective: {len(self.regions)} attention cores (scores, softmax, dropout, the product with v) run "
                   "again in backward; each keeps only q, k and v. The matmul outputs are kept.", ""]
