@@ -249,6 +249,29 @@ def _canonical(fields: dict, config) -> dict:
             out[canonical] = out[own]
     if out.get("expansion_ratio") and out.get("hidden_size") and not out.get("intermediate_size"):
         out["intermediate_size"] = int(out["expansion_ratio"] * out["hidden_size"])   # MPT's MLP width
+    return _nested(out)
+
+
+# DBRX keeps its experts and their width in ``ffn_config`` and its kv heads in ``attn_config``: the flat
+# names ``_from_hf`` reads, from the nested ones (a nested key the table does not know is refused by ``_uniform``)
+_NESTED = {"ffn_config": {"moe_num_experts": "num_local_experts", "moe_top_k": "num_experts_per_tok",
+                          "ffn_hidden_size": "moe_intermediate_size"},
+           "attn_config": {"kv_n_heads": "num_key_value_heads"}}
+
+
+def _nested(fields: dict) -> dict:
+    """``fields`` with DBRX's nested sizes (``_NESTED``) copied to the flat names, where they are not set."""
+    out = dict(fields)
+    for section, names in _NESTED.items():
+        nested = out.get(section)
+        if not isinstance(nested, dict):
+            continue
+        for own, flat in names.items():
+            if nested.get(own) is not None and out.get(flat) is None:
+                out[flat] = nested[own]
+        act = nested.get("ffn_act_fn")
+        if isinstance(act, dict) and act.get("name") and not out.get("hidden_act"):
+            out["hidden_act"] = act["name"]
     return out
 
 
@@ -286,8 +309,9 @@ def _uniform(fields: dict) -> None:
     if mixers or any(k.startswith(("mamba_", "ssm_", "linear_conv", "conv_L")) for k in fields):
         why.append("its layers include mixers other than softmax attention ("
                    + (", ".join(mixers) or "state-space") + ")")
-    if isinstance(fields.get("ffn_config"), dict):      # MPT's attn_config holds options only, and is read
-        why.append("its MLP's sizes are nested in ffn_config (DBRX's experts and widths), which it does not read")
+    ffn = fields.get("ffn_config")
+    if isinstance(ffn, dict) and not any(k in ffn for k in _NESTED["ffn_config"]):
+        why.append(f"its MLP's sizes are nested in ffn_config ({sorted(ffn)!r:.80}), under names it does not read")
     overrides = fields.get("per_layer_config")
     if overrides:
         why.append(f"its per_layer_config overrides layers {sorted(overrides)} ({next(iter(overrides.values()))!r:.60})")

@@ -277,10 +277,10 @@ def test_shapes_from_the_builtin_gpt_on_meta_and_an_hf_config(tmp_path, caplog):
         towered.model.tower = torch.nn.Linear(2048, 2048)
     with pytest.raises(ValueError, match=r"reads [\d,]+ parameters off its config .*, but the model has [\d,]+ \(-\d+%\).*model\.tower\.weight \(4,194,304\)"):
         model_shape(towered)
-    # DBRX's experts live in a nested ffn_config; CTRL's layer width in dff, which no field the planner
-    # reads names: refused, the latter by its layers' parameters
+    # a nested ffn_config under names the planner does not read (DBRX's own are read: the test below);
+    # CTRL's layer width in dff, which no field the planner reads names: refused by its layers' parameters
     with pytest.raises(ValueError, match="nested in ffn_config"):
-        model_shape(dict(llama, model_type="dbrx", ffn_config={"moe_num_experts": 4, "ffn_hidden_size": 128}))
+        model_shape(dict(llama, model_type="dbrx", ffn_config={"n_experts": 4, "width": 128}))
     with pytest.raises(ValueError, match=r"each decoder layer holds [\d,]+ \(EncoderLayer\), the shape prices"):
         model_shape(transformers.CTRLConfig(n_layer=2, n_embd=64, n_head=4, dff=512, vocab_size=100))
     # a config transformers cannot build is priced unchecked, and says so
@@ -293,6 +293,24 @@ def test_shapes_from_the_builtin_gpt_on_meta_and_an_hf_config(tmp_path, caplog):
     model_shape(transformers.DiffLlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                              intermediate_size=128, vocab_size=128))
     assert torch.equal(state, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("form", ["object", "dict", "meta model"])
+def test_dbrx_nested_configs_are_read(form):
+    """DBRX keeps its experts, their width and activation in ``ffn_config`` and its kv heads in
+    ``attn_config``: read through them, a DBRX of 132B's proportions prices the parameters its ``meta``
+    model has (the check in ``model_shape`` compares them)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DbrxConfig(
+        d_model=384, n_heads=6, n_layers=3, max_seq_len=512, vocab_size=1000,
+        attn_config=dict(kv_n_heads=2, clip_qkv=8, rope_theta=500000),
+        ffn_config=dict(ffn_hidden_size=672, moe_num_experts=16, moe_top_k=4, ffn_act_fn={"name": "silu"}))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    given = {"object": config, "dict": config.to_dict(), "meta model": model}[form]
+    shape = model_shape(given)
+    assert (shape.kv_heads, shape.ffn, shape.experts, shape.experts_per_token, shape.gated) == (2, 672, 16, 4, True)
+    assert shape.params() == pytest.approx(sum(p.numel() for p in model.parameters()), rel=0.01)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gemma", "falcon", "falcon_new", "qwen3", "gpt_neo", "mpt",
