@@ -5,7 +5,8 @@ shards in the node's hints. Hints arrive two ways:
 
 - backward, before planning (``block_hints``): a tensor split into pieces, or a reshape that unpacks 2 or
   3 pieces, marks the fused projection that made it (GPT-2's ``c_attn``, Phi-3's ``qkv_proj``,
-  ``nn.MultiheadAttention``'s ``in_proj``), carried up through views and pointwise ops to the weight;
+  ``nn.MultiheadAttention``'s ``in_proj``, an MoE's fused gate|up experts), carried up through views,
+  transposes and pointwise ops to the weight;
 - forward, while planning in graph order (``offer_blocked_outputs``, ``inherit_hints``): a blocked shard
   a node can produce (BLOOM's batch*heads dim, ``Shard(0, blocks=B)``) becomes an option its consumers
   may keep.
@@ -16,6 +17,7 @@ import torch
 
 from autoshard.ir.placement import Shard
 from autoshard.passes.rules import POINTWISE, split_sizes
+from autoshard.passes.rules_experts import is_grouped_mm
 from autoshard.passes.shapes import map_shard_through_view, shape_of, view_groups
 from autoshard.passes.strategy import RuleContext
 
@@ -57,6 +59,15 @@ def block_hints(gm, t: int):
             mapped = map_shard_through_view(out, shape_of(src), dim, 1, t)
             if mapped and shape_of(src)[mapped[0]] == out[dim]:
                 add(src, mapped[0], k)
+        elif packet in (aten.transpose, aten.permute, aten.t):     # an expert weight stored (out, in)
+            nd = len(out)
+            if packet is aten.permute:
+                order = [d % nd for d in node.args[1]]
+            else:
+                a, b = ((node.args[1] % nd, node.args[2] % nd) if packet is aten.transpose else (0, 1))
+                order = list(range(nd))
+                order[a], order[b] = order[b], order[a]
+            add(node.args[0], order[dim], k)
         elif packet in POINTWISE:
             for inp in node.all_input_nodes:
                 s = shape_of(inp) or ()
@@ -69,6 +80,8 @@ def block_hints(gm, t: int):
                 add(node.args[2], 0, k)
         elif packet is aten.mm and dim == 1:
             add(node.args[1], 1, k)
+        elif is_grouped_mm(node) and dim == len(out) - 1:     # an MoE's fused gate|up experts
+            add(node.args[1], 2, k)
 
     for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "overloadpacket", None) in (aten.split, aten.split_with_sizes):

@@ -17,6 +17,7 @@ import operator
 import torch
 
 from autoshard.ir.placement import P, R, Shard, block_sizes, shardable
+from autoshard.passes.rules_experts import grouped_mm, is_grouped_mm
 from autoshard.passes.rules_reduce import REDUCE_RULES, elementwise
 from autoshard.passes.rules_vocab import cross_entropy, embedding, logsumexp
 from autoshard.passes.shapes import map_shard_through_view, shape_of, squeezed_dims, val
@@ -483,6 +484,8 @@ def strategies_for(node, ctx: RuleContext):
         return _replicated(node)  # x @ x: one node in two roles, which per-node placements cannot express
     if packet in RULES:
         return RULES[packet](node, ctx)
+    if is_grouped_mm(node):
+        return grouped_mm(node, ctx)
     if not node.all_input_nodes or not isinstance(val(node), (torch.Tensor, list, tuple)):
         return [Strategy(R, _ins(node, {}))]  # creation ops (arange, full) and side-effect-only ops
     ctx.unruled.append(node)

@@ -24,7 +24,7 @@ from autoshard.passes.strategy import Strategy, _ins, _replicated, shard_options
 aten = torch.ops.aten
 
 
-def _argument(node, name: str, default=None):
+def op_argument(node, name: str, default=None):
     """The value ``node`` passes for its op's argument ``name`` (positional or keyword), else its
     schema's default, else ``default``."""
     schema = getattr(node.target, "_schema", None)
@@ -48,7 +48,7 @@ def _dims(node, rank: int, default) -> set:
     every dim), or ``default`` when the op has none."""
     if not _has_argument(node, "dim"):
         return set(default)
-    dim = _argument(node, "dim")
+    dim = op_argument(node, "dim")
     if dim is None or (isinstance(dim, (list, tuple)) and not dim):
         return set(range(rank))
     return {d % rank for d in ([dim] if isinstance(dim, int) else dim)}
@@ -77,7 +77,7 @@ def reduction(node, ctx):
     """amax, amin, max/min (over a dim or all), argmax, argmin, var, std, prod, any, all: sharded on the
     dims they do not reduce."""
     rank = len(shape_of(node.args[0]) or ())
-    keep = bool(_argument(node, "keepdim", False))
+    keep = bool(op_argument(node, "keepdim", False))
     return _along(node, ctx, _dims(node, rank, range(rank)), drops=not keep)
 
 
