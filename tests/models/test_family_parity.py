@@ -43,9 +43,11 @@ CONFIGS = {f: config(f, 2 if f in GQA and f != "phi3" else None) for f in FAMILI
 
 
 def _check_family(cfg: FamilyConfig, tp: int, steps: int = STEPS) -> dict:
-    model = build(cfg)
+    return _check_model(build(cfg), batch(cfg.vocab), tp, steps)
+
+
+def _check_model(model, kwargs: dict, tp: int, steps: int = STEPS) -> dict:
     ref = copy.deepcopy(model)
-    kwargs = batch(cfg.vocab)
     mesh = autoshard.init_mesh(tp=tp)
     pm = autoshard.parallelize(model, mesh, example_kwargs=kwargs)
     errs = {}
@@ -109,6 +111,28 @@ def _parity(rank, world, configs):
         finally:
             params._STRIDED_WORKS = asked
     return out
+
+
+def _experts(rank, world, names):
+    """MoE zoo families: each expert's weights split over tp (``passes/rules_experts.py``)."""
+    from tests.harness.zoo import build_zoo
+    out = []
+    for name in names:
+        kwargs = batch(128)
+        out.append(_check_model(build_zoo(name), kwargs, world))
+    return out
+
+
+def test_moe_experts_split_over_tp2_train_exactly():
+    """OLMoE (fused gate|up experts, split in two blocks) and Qwen3-MoE over gloo at tp=2: loss, logits,
+    every gradient, then 3 AdamW steps, read back whole through ``pm.full_state_dict()``."""
+    names = ["olmoe", "qwen3_moe"]
+    results = run_distributed(_experts, TP, names, timeout=300)
+    for rank, per_family in enumerate(results):
+        for name, errs in zip(names, per_family):
+            bad = {k: v for k, v in errs.items() if not v <= 1e-5}
+            assert not bad, f"tp={TP} rank {rank} {name}: relative errors above 1e-5: {bad}"
+            assert sum("experts" in k for k in errs if k.startswith("grad ")) >= 4, sorted(errs)
 
 
 def test_family_parity_tp2():
