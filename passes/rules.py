@@ -17,6 +17,7 @@ import operator
 import torch
 
 from autoshard.ir.placement import P, R, Shard, block_sizes, shardable
+from autoshard.passes.rules_einsum import einsum
 from autoshard.passes.rules_experts import grouped_mm, is_grouped_mm
 from autoshard.passes.rules_reduce import REDUCE_RULES, elementwise
 from autoshard.passes.rules_vocab import cross_entropy, embedding, logsumexp
@@ -466,7 +467,7 @@ RULES = {
     aten.sum: reduce_sum, aten.mean: reduce_sum,
     aten.layer_norm: layer_norm, aten.linear: linear, aten.mm: mm, aten.bmm: bmm, aten.baddbmm: baddbmm, aten.matmul: matmul,
     aten.scaled_dot_product_attention: sdpa, aten.embedding: embedding, aten.conv1d: depthwise_conv1d,
-    aten.cross_entropy_loss: cross_entropy, aten.logsumexp: logsumexp,
+    aten.cross_entropy_loss: cross_entropy, aten.logsumexp: logsumexp, aten.einsum: einsum,
     **REDUCE_RULES,
 }
 VIEW_OPS = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}

@@ -1,4 +1,5 @@
-"""Ops that work along some dims keep the shards of the others (``passes/rules_reduce.py``), and selective
+"""Ops that work along some dims keep the shards of the others (``passes/rules_reduce.py``, and
+``rules_einsum.py`` for einsum's indices), and selective
 recompute finds attention cores that are not spelled Llama's way (``passes/attention.py``).
 
 Each model here is exact against eager in the simulator, and its heads stay sharded through the op: no
@@ -47,7 +48,10 @@ class Attention(nn.Module):
         if self.style == "rms_norm":          # a per-head RMSNorm of q and k (OLMo 2, Qwen 3), as one aten op
             q = F.rms_norm(q, (self.hd,), self.qk_norm, 1e-6)
             k = F.rms_norm(k, (self.hd,), self.qk_norm, 1e-6)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(self.hd)
+        if self.style == "einsum":            # the products spelled as einsum (Mamba-2's scan is a chain of them)
+            scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(self.hd)
+        else:
+            scores = q @ k.transpose(-1, -2) / math.sqrt(self.hd)
         if self.style == "softcap":           # Gemma 2's soft-capping: six ops from the product to the softmax
             scores = torch.tanh(scores / 5.0) * 5.0
         scores = scores.masked_fill(~causal, float("-inf"))
@@ -63,7 +67,11 @@ class Attention(nn.Module):
             p = p + 0.01 * p.amax(dim=-1, keepdim=True) + 0.01 * p.topk(2, dim=-1).values.sum(-1, keepdim=True)
         else:
             p = scores.softmax(-1)
-        a = (p @ v).transpose(1, 2).reshape(h.shape)
+        if self.style == "einsum":            # heads kept in the output, then a sum over them (a partial)
+            a = torch.einsum("bhqk,bhkd->bqhd", p, v).reshape(h.shape)
+            a = a + torch.einsum("bhqd->bqd", v).repeat(1, 1, self.heads) * 0.1
+        else:
+            a = (p @ v).transpose(1, 2).reshape(h.shape)
         h = h + self.o(a)
         h = h + self.down(F.gelu(self.up(h)))
         return F.cross_entropy(self.out(h).flatten(0, 1), targets.flatten())
@@ -74,7 +82,7 @@ def _forward_gathers(model, args, t):
     return [c for c in prog.collectives if c.phase == "fwd" and c.kind == "all_gather"], prog
 
 
-@pytest.mark.parametrize("style", ["sinks", "rms_norm", "triangle"])
+@pytest.mark.parametrize("style", ["sinks", "rms_norm", "triangle", "einsum"])
 def test_heads_stay_sharded_through_reductions_and_the_step_is_exact(style):
     torch.manual_seed(0)
     model = Attention(style=style)
