@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from autoshard.ir import meta as M
+from autoshard.ir import ops
 from autoshard.passes.shapes import module_path, shape_of
 from autoshard.passes.walk import upstream
 
@@ -66,6 +67,8 @@ def _projects(n) -> bool:
 # the products an eager attention's scores come from, by the rank of the scores: (B, heads, T, T) from
 # ``matmul``, (B * heads, T, T) from ``bmm`` (XGLM's and other fairseq-style layers)
 _SCORES = {aten.matmul: 4, aten.bmm: 3}
+# the parallel ops a walk from the scores to their softmax passes (they move the scores, compute nothing)
+_MOVES = (ops.Redistribute, ops.CopyToParallel)
 
 
 def _cores(gm):
@@ -77,7 +80,7 @@ def _cores(gm):
         if n.target is aten.scaled_dot_product_attention.default:
             yield n, n.args[0], n.args[1], n.args[2], n
         elif _SCORES.get(getattr(n.target, "overloadpacket", None)) == len(shape_of(n) or ()):
-            scores = _softmax_of(n)
+            scores = _softmax_of(gm, n)
             if scores is None:
                 continue
             pv = next((u for u in _descendants(scores) if getattr(u.target, "overloadpacket", None) in _SCORES), None)
@@ -105,13 +108,15 @@ def _descendants(n, depth=4):
     return out
 
 
-def _softmax_of(matmul, depth=8):
-    """The softmax the scores of ``matmul`` (``q @ k^T``) flow into, through the pointwise and layout ops
-    between them (scaling, soft-capping's tanh, the mask, GPT-OSS's sink logits concatenated), and no
-    further matmul or projection: None if none is within ``depth`` ops."""
+def _softmax_of(gm, matmul, depth=8):
+    """The softmax the scores of ``matmul`` (``q @ k^T``) flow into, through the ops between them
+    (scaling, soft-capping's tanh, the mask, GPT-OSS's sink logits concatenated and their max, a
+    redistribution the plan put there) but no further matmul or projection: None if none is within
+    ``depth`` ops."""
     frontier, seen = [matmul], {matmul}
     for _ in range(depth):
-        frontier = [u for f in frontier for u in f.users if u not in seen and u.op == "call_function"]
+        frontier = [u for f in frontier for u in f.users if u not in seen and (
+            u.op == "call_function" or (u.op == "call_module" and isinstance(gm.get_submodule(u.target), _MOVES)))]
         seen.update(frontier)
         found = next((u for u in frontier if getattr(u.target, "overloadpacket", None) in _SOFTMAX), None)
         if found is not None:

@@ -17,7 +17,7 @@ import torch
 
 from autoshard.ir.placement import Shard
 from autoshard.passes.rules import POINTWISE, split_sizes
-from autoshard.passes.rules_experts import is_grouped_mm
+from autoshard.passes.rules_experts import expert_weight, is_grouped_mm
 from autoshard.passes.shapes import map_shard_through_view, shape_of, view_groups
 from autoshard.passes.strategy import RuleContext
 
@@ -61,13 +61,16 @@ def block_hints(gm, t: int):
                 add(src, mapped[0], k)
         elif packet in (aten.transpose, aten.permute, aten.t):     # an expert weight stored (out, in)
             nd = len(out)
-            if packet is aten.permute:
+            if nd < 2:                                             # t() of a vector is the vector
+                add(node.args[0], dim, k)
+            elif packet is aten.permute:
                 order = [d % nd for d in node.args[1]]
             else:
                 a, b = ((node.args[1] % nd, node.args[2] % nd) if packet is aten.transpose else (0, 1))
                 order = list(range(nd))
                 order[a], order[b] = order[b], order[a]
-            add(node.args[0], order[dim], k)
+            if nd >= 2:
+                add(node.args[0], order[dim], k)
         elif packet in POINTWISE:
             for inp in node.all_input_nodes:
                 s = shape_of(inp) or ()
@@ -80,8 +83,8 @@ def block_hints(gm, t: int):
                 add(node.args[2], 0, k)
         elif packet is aten.mm and dim == 1:
             add(node.args[1], 1, k)
-        elif is_grouped_mm(node) and dim == len(out) - 1:     # an MoE's fused gate|up experts
-            add(node.args[1], 2, k)
+        elif is_grouped_mm(node) and dim == len(out) - 1 and expert_weight(node) is not None:
+            add(expert_weight(node), 2, k)                         # an MoE's fused gate|up experts
 
     for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "overloadpacket", None) in (aten.split, aten.split_with_sizes):

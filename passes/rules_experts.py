@@ -31,13 +31,23 @@ def is_grouped_mm(node) -> bool:
     return packet is not None and str(packet) in GROUPED_MM
 
 
-def grouped_mm(node, ctx):
+def expert_weight(node):
+    """The ``(experts, in, out)`` weight of a grouped matmul of the form the rule splits (a 2-D ``x``
+    sorted by expert, ``offs``, no bias), else None."""
     x, w = node.args[0], node.args[1]
-    strategies = _replicated(node)
     xs, ws = shape_of(x), shape_of(w)
-    offs = op_argument(node, "offs")
-    if xs is None or ws is None or len(xs) != 2 or len(ws) != 3 or offs is None or op_argument(node, "bias") is not None:
+    if (xs is None or ws is None or len(xs) != 2 or len(ws) != 3 or op_argument(node, "offs") is None
+            or op_argument(node, "bias") is not None):
+        return None
+    return w
+
+
+def grouped_mm(node, ctx):
+    x, w = node.args[0], expert_weight(node)
+    strategies = _replicated(node)
+    if w is None:
         return strategies
+    ws = shape_of(w)
     for s in shard_options(w, ws, ctx):
         if s.dim == 2:                       # each expert's output columns
             strategies.append(Strategy(Shard(1, s.blocks), _ins(node, {w: s}), sharded=True))

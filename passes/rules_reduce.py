@@ -59,7 +59,7 @@ def _along(node, ctx, worked: set, drops: bool):
     each worked dim before it, where the op ``drops`` them)."""
     src = node.args[0]
     strategies = _replicated(node)
-    if not isinstance(src, torch.fx.Node) or shape_of(src) is None:
+    if not isinstance(src, torch.fx.Node) or not shape_of(src):      # unknown, or a scalar
         return strategies
     for s in shard_options(src, shape_of(src), ctx):
         if s.dim not in worked:
@@ -77,14 +77,19 @@ def reduction(node, ctx):
     """amax, amin, max/min (over a dim or all), argmax, argmin, var, std, prod, any, all: sharded on the
     dims they do not reduce."""
     rank = len(shape_of(node.args[0]) or ())
+    if rank == 0:
+        return _replicated(node)
     keep = bool(op_argument(node, "keepdim", False))
     return _along(node, ctx, _dims(node, rank, range(rank)), drops=not keep)
 
 
 def along_dim(node, ctx):
     """cumsum, cumprod, cummax, cummin, logcumsumexp, topk, sort: each slice along ``dim`` on its own;
-    the output keeps the input's rank."""
+    the output keeps the input's rank. (Among exactly equal values, a GPU ``topk`` or ``sort`` may order
+    the indices differently for fewer slices: the values agree, tied indices may not.)"""
     rank = len(shape_of(node.args[0]) or ())
+    if rank == 0:
+        return _replicated(node)
     return _along(node, ctx, _dims(node, rank, {rank - 1}), drops=False)
 
 
@@ -97,9 +102,9 @@ def triangle(node, ctx):
 def rms_norm(node, ctx):
     """``rms_norm(x, normalized_shape, weight, eps)``: sharded on the dims it does not normalize (the
     weight replicated, its gradient a partial sum that ``tp_rewrite`` completes)."""
-    x = node.args[0]
-    rank = len(shape_of(x) or ())
-    return _along(node, ctx, set(range(rank - len(node.args[1]), rank)), drops=False)
+    rank = len(shape_of(node.args[0]) or ())
+    normalized = op_argument(node, "normalized_shape") or ()
+    return _along(node, ctx, set(range(rank - len(normalized), rank)), drops=False)
 
 
 REDUCE_RULES = {

@@ -253,10 +253,12 @@ def _canonical(fields: dict, config) -> dict:
 
 
 # DBRX keeps its experts and their width in ``ffn_config`` and its kv heads in ``attn_config``: the flat
-# names ``_from_hf`` reads, from the nested ones (a nested key the table does not know is refused by ``_uniform``)
+# names ``_from_hf`` reads, from the nested ones. An ``ffn_config`` without ``ffn_hidden_size`` (the width)
+# is not read, and ``_uniform`` refuses it
 _NESTED = {"ffn_config": {"moe_num_experts": "num_local_experts", "moe_top_k": "num_experts_per_tok",
-                          "ffn_hidden_size": "moe_intermediate_size"},
+                          "ffn_hidden_size": ("moe_intermediate_size", "intermediate_size")},
            "attn_config": {"kv_n_heads": "num_key_value_heads"}}
+_NESTED_WIDTH = "ffn_hidden_size"
 
 
 def _nested(fields: dict) -> dict:
@@ -264,11 +266,12 @@ def _nested(fields: dict) -> dict:
     out = dict(fields)
     for section, names in _NESTED.items():
         nested = out.get(section)
-        if not isinstance(nested, dict):
+        if not isinstance(nested, dict) or (section == "ffn_config" and nested.get(_NESTED_WIDTH) is None):
             continue
-        for own, flat in names.items():
-            if nested.get(own) is not None and out.get(flat) is None:
-                out[flat] = nested[own]
+        for own, flats in names.items():
+            for flat in (flats,) if isinstance(flats, str) else flats:
+                if nested.get(own) is not None and out.get(flat) is None:
+                    out[flat] = nested[own]
         act = nested.get("ffn_act_fn")
         if isinstance(act, dict) and act.get("name") and not out.get("hidden_act"):
             out["hidden_act"] = act["name"]
@@ -310,8 +313,9 @@ def _uniform(fields: dict) -> None:
         why.append("its layers include mixers other than softmax attention ("
                    + (", ".join(mixers) or "state-space") + ")")
     ffn = fields.get("ffn_config")
-    if isinstance(ffn, dict) and not any(k in ffn for k in _NESTED["ffn_config"]):
-        why.append(f"its MLP's sizes are nested in ffn_config ({sorted(ffn)!r:.80}), under names it does not read")
+    if isinstance(ffn, dict) and ffn.get(_NESTED_WIDTH) is None:
+        why.append(f"its MLP's sizes are nested in ffn_config ({sorted(ffn)!r:.80}) without the width it reads "
+                   f"there ({_NESTED_WIDTH})")
     overrides = fields.get("per_layer_config")
     if overrides:
         why.append(f"its per_layer_config overrides layers {sorted(overrides)} ({next(iter(overrides.values()))!r:.60})")

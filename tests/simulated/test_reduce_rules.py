@@ -157,7 +157,23 @@ def test_selective_recompute_finds_a_bmm_attention():
     torch.manual_seed(0)
     model = BmmAttention()
     args = (torch.randint(0, 48, (2, 8)), torch.randint(0, 48, (2, 8)))
-    prog = autoshard.compile_rank(model, {"tp": 1}, 0, args, {},
-                                  options=autoshard.CompileOptions(recompute="selective"))
-    assert len(prog.gm.meta[M.RECOMPUTE_PLAN].regions) == 1
+    for t in (1, 2):
+        prog = autoshard.compile_rank(model, {"tp": t}, 0, args, {},
+                                      options=autoshard.CompileOptions(recompute="selective"))
+        assert len(prog.gm.meta[M.RECOMPUTE_PLAN].regions) == 1, t
     assert_same(model, args, 2, recompute="selective")
+
+
+class ScalarScan(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x).sum().cumsum(0).sum() + self.lin(x).amax(dim=-1).sum()
+
+
+def test_a_scan_of_a_scalar_stays_replicated():
+    """A dim-taking op on a 0-d tensor has no dim to keep sharded: replicated, not a crash."""
+    torch.manual_seed(0)
+    assert_same(ScalarScan(), (torch.randn(4, 8),), 2)

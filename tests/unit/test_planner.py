@@ -311,6 +311,11 @@ def test_dbrx_nested_configs_are_read(form):
     shape = model_shape(given)
     assert (shape.kv_heads, shape.ffn, shape.experts, shape.experts_per_token, shape.gated) == (2, 672, 16, 4, True)
     assert shape.params() == pytest.approx(sum(p.numel() for p in model.parameters()), rel=0.01)
+    # one expert: a dense MLP of ffn_hidden_size
+    dense = transformers.DbrxConfig(d_model=384, n_heads=6, n_layers=3, vocab_size=1000,
+                                    attn_config=dict(kv_n_heads=2, rope_theta=10000),
+                                    ffn_config=dict(ffn_hidden_size=672, moe_num_experts=1, moe_top_k=1))
+    assert (model_shape(dense).experts, model_shape(dense).ffn) == (1, 672)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gemma", "falcon", "falcon_new", "qwen3", "gpt_neo", "mpt",
