@@ -1,7 +1,8 @@
 """The wider zoo (``tests/harness/zoo.py``) at tp=2 and tp=4 in the simulator, called with keywords as users call
-HF models: the loss and every gradient equal the single-device model's (slow: ``pytest -m slow
-tests/models/test_zoo.py``, about 5 minutes). ``tests/models/test_family_pipeline.py`` puts the same zoo on pp=2."""
+HF models: the loss and every gradient equal the single-device model's, plain and with sequence parallelism
+and selective recompute (slow: ``pytest -m slow tests/models/test_zoo.py``, about 5 minutes each). ``tests/models/test_family_pipeline.py`` puts the same zoo on pp=2."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -25,7 +26,18 @@ def test_new_family_at_tp2(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("t", [2, 4])
 @pytest.mark.parametrize("name", sorted(ZOO))
-def test_zoo_family_matches_single_device(name, t):
+def test_zoo_family_with_sequence_parallelism_and_selective_recompute(name, t):
+    """The same, with the residual stream sequence-sharded and each attention core recomputed: every
+    family's attention is found (no warning that nothing is recomputed)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*nothing is recomputed")
+        test_zoo_family_matches_single_device(name, t, sequence_parallel=True, recompute="selective")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_family_matches_single_device(name, t, **options):
     model = build_zoo(name)
     if model is None:
         pytest.skip(f"this transformers has no {ZOO[name][0]}")
@@ -41,7 +53,7 @@ def test_zoo_family_matches_single_device(name, t):
     out.loss.backward()
     grads = dict(ref.named_parameters(remove_duplicate=False))
     floor = 1e-3 * max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
-    for rank, (o, g, _) in enumerate(simulate(model, t, (), kwargs, loss_fn=lambda o: o.loss)):
+    for rank, (o, g, _) in enumerate(simulate(model, t, (), kwargs, loss_fn=lambda o: o.loss, **options)):
         assert rel(o.loss.detach(), out.loss.detach()) <= 1e-5, (name, rank)
         assert set(g) == set(grads), (name, sorted(set(g) ^ set(grads)))
         for n, p in grads.items():
