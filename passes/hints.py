@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from autoshard.ir.placement import Shard
-from autoshard.passes.rules import POINTWISE, split_sizes
+from autoshard.passes.rules import POINTWISE, permutation, split_sizes
 from autoshard.passes.rules_experts import expert_weight, is_grouped_mm
 from autoshard.passes.shapes import map_shard_through_view, shape_of, view_groups
 from autoshard.passes.strategy import RuleContext
@@ -60,17 +60,7 @@ def block_hints(gm, t: int):
             if mapped and shape_of(src)[mapped[0]] == out[dim]:
                 add(src, mapped[0], k)
         elif packet in (aten.transpose, aten.permute, aten.t):     # an expert weight stored (out, in)
-            nd = len(out)
-            if nd < 2:                                             # t() of a vector is the vector
-                add(node.args[0], dim, k)
-            elif packet is aten.permute:
-                order = [d % nd for d in node.args[1]]
-            else:
-                a, b = ((node.args[1] % nd, node.args[2] % nd) if packet is aten.transpose else (0, 1))
-                order = list(range(nd))
-                order[a], order[b] = order[b], order[a]
-            if nd >= 2:
-                add(node.args[0], order[dim], k)
+            add(node.args[0], permutation(node)[dim], k)
         elif packet in POINTWISE:
             for inp in node.all_input_nodes:
                 s = shape_of(inp) or ()

@@ -19,10 +19,10 @@ import torch
 from autoshard.ir.placement import P, R, Shard, block_sizes, shardable
 from autoshard.passes.rules_einsum import einsum
 from autoshard.passes.rules_experts import grouped_mm, is_grouped_mm
-from autoshard.passes.rules_reduce import REDUCE_RULES, elementwise
+from autoshard.passes.rules_reduce import REDUCE_RULES, along_dim, elementwise
 from autoshard.passes.rules_vocab import cross_entropy, embedding, logsumexp
 from autoshard.passes.shapes import map_shard_through_view, shape_of, squeezed_dims, val
-from autoshard.passes.strategy import RuleContext, Strategy, _ins, _replicated, blocks_order, shard_options
+from autoshard.passes.strategy import RuleContext, Strategy, _ins, _replicated, blocks_order, op_argument, shard_options
 
 __all__ = ["RULES", "POINTWISE", "VIEW_OPS", "RuleContext", "Strategy", "strategies_for", "shard_options"]
 
@@ -110,21 +110,22 @@ def _permuting(node, ctx, perm):
     return strategies
 
 
-def transpose(node, ctx):
+def permutation(node) -> list:
+    """``perm[out_dim] = in_dim`` of a ``transpose``, ``permute`` or ``t`` (of a vector: itself)."""
     nd = len(shape_of(node))
+    packet = node.target.overloadpacket
+    if packet is aten.permute:
+        return [d % nd for d in node.args[1]]
+    if packet is aten.t:
+        return [1, 0] if nd == 2 else [0]
     d0, d1 = (a % nd for a in node.args[1:3])
     perm = list(range(nd))
     perm[d0], perm[d1] = perm[d1], perm[d0]
-    return _permuting(node, ctx, perm)
+    return perm
 
 
-def permute(node, ctx):
-    nd = len(shape_of(node))
-    return _permuting(node, ctx, [d % nd for d in node.args[1]])
-
-
-def t_(node, ctx):
-    return _permuting(node, ctx, [1, 0] if len(shape_of(node)) == 2 else [0])
+def reorder(node, ctx):
+    return _permuting(node, ctx, permutation(node))
 
 
 def unsqueeze(node, ctx):
@@ -269,13 +270,6 @@ def cat(node, ctx):
 
 
 # --- reductions and normalisations --------------------------------------------------------------------
-def softmax(node, ctx):
-    src = node.args[0]
-    dim = node.args[1] % len(shape_of(src))
-    return _replicated(node) + [Strategy(s, _ins(node, {src: s}), sharded=True)
-                                for s in shard_options(src, shape_of(src), ctx) if s.dim != dim]
-
-
 def reduce_sum(node, ctx):
     src = node.args[0]
     ishape = shape_of(src)
@@ -295,9 +289,11 @@ def reduce_sum(node, ctx):
 
 
 def layer_norm(node, ctx):
+    """layer_norm and rms_norm: sharded on the dims they do not normalize (the weight replicated, its
+    gradient a partial sum that ``tp_rewrite`` completes)."""
     x = node.args[0]
     nd = len(shape_of(x))
-    normalized = len(node.args[1])
+    normalized = len(op_argument(node, "normalized_shape"))
     return _replicated(node) + [Strategy(s, _ins(node, {x: s}), sharded=True)
                                 for s in shard_options(x, shape_of(x), ctx) if s.dim < nd - normalized]
 
@@ -457,15 +453,15 @@ def sdpa(node, ctx):
 
 RULES = {
     aten.view: view, aten.reshape: view, aten._unsafe_view: view,
-    aten.transpose: transpose, aten.permute: permute, aten.t: t_, aten.unsqueeze: unsqueeze, aten.squeeze: squeeze,
+    aten.transpose: reorder, aten.permute: reorder, aten.t: reorder, aten.unsqueeze: unsqueeze, aten.squeeze: squeeze,
     aten.expand: expand, aten.split: split, aten.split_with_sizes: split,
     aten.view_as_complex: complex_view, aten.view_as_real: complex_view, aten.repeat_interleave: repeat_interleave,
     aten.slice: slice_like, aten.select: slice_like, aten.narrow: slice_like, aten.index: index,
     aten.cat: cat, aten.concat: cat, aten.concatenate: cat,
     aten.slice_scatter: scatter_like, aten.select_scatter: scatter_like,
-    aten._softmax: softmax, aten.softmax: softmax, aten._log_softmax: softmax, aten.log_softmax: softmax,
+    aten._softmax: along_dim, aten.softmax: along_dim, aten._log_softmax: along_dim, aten.log_softmax: along_dim,
     aten.sum: reduce_sum, aten.mean: reduce_sum,
-    aten.layer_norm: layer_norm, aten.linear: linear, aten.mm: mm, aten.bmm: bmm, aten.baddbmm: baddbmm, aten.matmul: matmul,
+    aten.layer_norm: layer_norm, aten.rms_norm: layer_norm, aten.linear: linear, aten.mm: mm, aten.bmm: bmm, aten.baddbmm: baddbmm, aten.matmul: matmul,
     aten.scaled_dot_product_attention: sdpa, aten.embedding: embedding, aten.conv1d: depthwise_conv1d,
     aten.cross_entropy_loss: cross_entropy, aten.logsumexp: logsumexp, aten.einsum: einsum,
     **REDUCE_RULES,

@@ -19,9 +19,8 @@ Other forms (a 3-D ``x``, a bias, no ``offs``) stay replicated.
 from __future__ import annotations
 
 from autoshard.ir.placement import P, Shard
-from autoshard.passes.rules_reduce import op_argument
 from autoshard.passes.shapes import shape_of
-from autoshard.passes.strategy import Strategy, _ins, _replicated, shard_options
+from autoshard.passes.strategy import Strategy, _ins, _replicated, op_argument, shard_options
 
 GROUPED_MM = ("aten._grouped_mm", "transformers.grouped_mm_fallback")
 

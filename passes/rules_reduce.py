@@ -1,6 +1,7 @@
 """Rules for ops that work along some dims and leave the others alone: reductions other than a sum
-(``amax``, ``max.dim``, ``var``, ``argmax``, ...), ops along one dim (``cumsum``, ``topk``, ``sort``),
-the triangle masks (``tril``, ``triu``: the last two dims) and ``rms_norm`` (the normalized dims).
+(``amax``, ``max.dim``, ``var``, ``argmax``, ...), ops along one dim (``cumsum``, ``topk``, ``sort``, and
+the softmaxes ``rules.py`` sends here), and the triangle masks (``tril``, ``triu``: the last two dims).
+``rms_norm`` shares ``rules.layer_norm``.
 
 Each runs locally on a shard of any dim it does not work along, and that is exact: the result of every
 slice of the other dims is computed from that slice alone. A shard of a dim it works along would need
@@ -19,34 +20,15 @@ import torch
 
 from autoshard.ir.placement import Shard
 from autoshard.passes.shapes import shape_of
-from autoshard.passes.strategy import Strategy, _ins, _replicated, shard_options
+from autoshard.passes.strategy import Strategy, _ins, _replicated, has_argument, op_argument, shard_options
 
 aten = torch.ops.aten
-
-
-def op_argument(node, name: str, default=None):
-    """The value ``node`` passes for its op's argument ``name`` (positional or keyword), else its
-    schema's default, else ``default``."""
-    schema = getattr(node.target, "_schema", None)
-    for i, a in enumerate(schema.arguments if schema is not None else ()):
-        if a.name == name:
-            if i < len(node.args) and not a.kwarg_only:
-                return node.args[i]
-            if name in node.kwargs:
-                return node.kwargs[name]
-            return a.default_value if a.has_default_value() else default
-    return default
-
-
-def _has_argument(node, name: str) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(a.name == name for a in schema.arguments)
 
 
 def _dims(node, rank: int, default) -> set:
     """The dims ``node`` works along: its ``dim`` argument (an int or a list; None or an empty list is
     every dim), or ``default`` when the op has none."""
-    if not _has_argument(node, "dim"):
+    if not has_argument(node, "dim"):
         return set(default)
     dim = op_argument(node, "dim")
     if dim is None or (isinstance(dim, (list, tuple)) and not dim):
@@ -70,7 +52,7 @@ def _along(node, ctx, worked: set, drops: bool):
 
 def elementwise(node) -> bool:
     """``max.other`` / ``min.other``: two tensors compared element by element (a pointwise op)."""
-    return _has_argument(node, "other")
+    return has_argument(node, "other")
 
 
 def reduction(node, ctx):
@@ -84,7 +66,7 @@ def reduction(node, ctx):
 
 
 def along_dim(node, ctx):
-    """cumsum, cumprod, cummax, cummin, logcumsumexp, topk, sort: each slice along ``dim`` on its own;
+    """cumsum, cumprod, cummax, cummin, logcumsumexp, topk, sort, softmax: each slice along ``dim`` on its own;
     the output keeps the input's rank. (Among exactly equal values, a GPU ``topk`` or ``sort`` may order
     the indices differently for fewer slices: the values agree, tied indices may not.)"""
     rank = len(shape_of(node.args[0]) or ())
@@ -99,18 +81,10 @@ def triangle(node, ctx):
     return _along(node, ctx, {rank - 2, rank - 1}, drops=False)
 
 
-def rms_norm(node, ctx):
-    """``rms_norm(x, normalized_shape, weight, eps)``: sharded on the dims it does not normalize (the
-    weight replicated, its gradient a partial sum that ``tp_rewrite`` completes)."""
-    rank = len(shape_of(node.args[0]) or ())
-    normalized = op_argument(node, "normalized_shape") or ()
-    return _along(node, ctx, set(range(rank - len(normalized), rank)), drops=False)
-
-
 REDUCE_RULES = {
     **{op: reduction for op in (aten.amax, aten.amin, aten.max, aten.min, aten.argmax, aten.argmin, aten.var,
                                 aten.std, aten.prod, aten.any, aten.all)},
     **{op: along_dim for op in (aten.cumsum, aten.cumprod, aten.cummax, aten.cummin, aten.logcumsumexp,
                                 aten.topk, aten.sort)},
-    aten.tril: triangle, aten.triu: triangle, aten.rms_norm: rms_norm,
+    aten.tril: triangle, aten.triu: triangle,
 }

@@ -55,3 +55,22 @@ def shard_options(node, shape, ctx: RuleContext, allow_pad=False):
 
 def _replicated(node):
     return [Strategy(R, _ins(node, {}))]
+
+
+def op_argument(node, name: str, default=None):
+    """The value ``node`` passes for its op's argument ``name`` (positional or keyword), else its
+    schema's default, else ``default``."""
+    schema = getattr(node.target, "_schema", None)
+    for i, a in enumerate(schema.arguments if schema is not None else ()):
+        if a.name == name:
+            if i < len(node.args) and not a.kwarg_only:
+                return node.args[i]
+            if name in node.kwargs:
+                return node.kwargs[name]
+            return a.default_value if a.has_default_value() else default
+    return default
+
+
+def has_argument(node, name: str) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(a.name == name for a in schema.arguments)
