@@ -59,6 +59,7 @@ def overlap_grad_allreduce_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
             continue
         fmod = gm.get_submodule(f.target)
         gather = fmod.dim if isinstance(fmod, ops.SequenceGather) else None
+        blocks = fmod.blocks if isinstance(fmod, ops.SequenceGather) else 1
         chain, node = [], f
         while len(node.users) == 1 and next(iter(node.users)).target in (aten.reshape.default, aten.view.default):
             node = next(iter(node.users))
@@ -69,7 +70,8 @@ def overlap_grad_allreduce_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
         mm, weight, bias, transposed = use
         name = f.target.replace("f_", "column_matmul_") if gather is None else f"column_{f.target}"
         regather = ctx is not None and ctx.options.sequence_parallel == "regather"
-        gm.add_submodule(name, ops.ColumnParallelMatmul(fmod.axis, fmod.size, fmod.shape, transposed, gather, regather))
+        gm.add_submodule(name, ops.ColumnParallelMatmul(fmod.axis, fmod.size, fmod.shape, transposed, gather, regather,
+                                                         blocks))
         f.replace_all_uses_with(f.args[0])  # the reshape chain now reads the un-f'd value
         with g.inserting_before(mm):
             fused = g.call_module(name, (node if chain else f.args[0], weight) + ((bias,) if bias is not None else ()))

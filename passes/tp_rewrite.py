@@ -25,6 +25,7 @@ from autoshard.ir import meta as M
 from autoshard.ir import ops
 from autoshard.ir.partial_grads import TP_PARTIAL_GRADS, PartialGrads
 from autoshard.ir.placement import Replicate, Shard, local_shape, shard_range
+from autoshard.ir.redistribute import evenly_blocked
 from autoshard.passes.plan import partial_grad_use
 from autoshard.passes.rules import VIEW_OPS, split_sizes
 from autoshard.passes.rules_vocab import cross_entropy_args, logsumexp_dims
@@ -53,9 +54,8 @@ def _vocab_range(n, t, rank):
 
 
 def _gathers_evenly(src, shape, t: int) -> bool:
-    """A shard one all-gather makes whole: one dim, no blocks, no padding."""
-    return (isinstance(src, Shard) and src.blocks == 1 and not src.unequal and shape is not None
-            and shape[src.dim] % t == 0)
+    """A shard one all-gather makes whole: one dim of equal blocks (or none), no padding."""
+    return isinstance(src, Shard) and evenly_blocked(src, shape, t)
 
 
 def tp_rewrite_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -96,7 +96,7 @@ def tp_rewrite_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if (u, "f") not in cache:
             src = M.SPEC.get(u).tp
             if sequence_parallel and _gathers_evenly(src, shape_of(u), t):
-                name = add_module("sequence_gather", ops.SequenceGather("tp", t, shape_of(u), src.dim))
+                name = add_module("sequence_gather", ops.SequenceGather("tp", t, shape_of(u), src.dim, src.blocks))
                 node = g.call_module(name, (env[u],))
             else:
                 name = add_module("f", ops.CopyToParallel("tp", t, shape_of(u)))

@@ -23,6 +23,10 @@ from autoshard.ir.redistribute import (copy_to_parallel_steps, plan_redistribute
                                        vocab_parallel_logsumexp_steps)
 
 
+def _in_blocks(blocks: int) -> str:
+    return f" (in {blocks} blocks)" if blocks != 1 else ""
+
+
 class NotBoundError(RuntimeError):
     """A compiled program ran on real tensors before the runtime bound its collectives."""
 
@@ -90,9 +94,10 @@ class SequenceGather(ParallelOp):
     followed by f, whose backward would all-reduce the gradient and then keep a chunk of it: twice the
     bytes for the same result."""
 
-    def __init__(self, axis, size, shape, dim: int):
+    def __init__(self, axis, size, shape, dim: int, blocks: int = 1):
         super().__init__(axis, size)
         self.shape, self.dim = tuple(shape), dim
+        self.blocks = blocks          # a dim of equal blocks, each sharded (a (b, s, h) stream viewed (b * s, h))
 
     def meta_forward(self, x):
         return x.new_empty(self.shape)
@@ -101,7 +106,8 @@ class SequenceGather(ParallelOp):
         return sequence_gather_steps(self.axis, self.shape)
 
     def extra_repr(self):
-        return f"sequence gather on {self.axis} along dim {self.dim} (reduce-scatter backward), global shape {self.shape}"
+        return (f"sequence gather on {self.axis} along dim {self.dim}{_in_blocks(self.blocks)} (reduce-scatter "
+                f"backward), global shape {self.shape}")
 
 
 class ColumnParallelMatmul(ParallelOp):
@@ -112,9 +118,11 @@ class ColumnParallelMatmul(ParallelOp):
     sequence shard and is all-gathered along ``gather_dim`` forward, and the input gradient's
     reduce-scatter overlaps dW (Megatron's linear with async communication under sequence parallelism)."""
 
-    def __init__(self, axis, size, shape, transposed: bool, gather_dim: int | None = None, regather: bool = False):
+    def __init__(self, axis, size, shape, transposed: bool, gather_dim: int | None = None, regather: bool = False,
+                 gather_blocks: int = 1):
         super().__init__(axis, size)
         self.shape, self.transposed, self.gather_dim = tuple(shape), transposed, gather_dim
+        self.gather_blocks = gather_blocks    # as SequenceGather.blocks
         # sequence_parallel="regather": keep the shard, gather it again in backward (Megatron's memory)
         self.regather = regather and gather_dim is not None
         self.defer_weight = False     # split_weight_grad: dW waits for the schedule's W (ir/weight_grad.py)
@@ -135,8 +143,9 @@ class ColumnParallelMatmul(ParallelOp):
 
     def extra_repr(self):
         if self.gather_dim is not None:
-            return (f"sequence gather fused on {self.axis} along dim {self.gather_dim}: async reduce-scatter of the "
-                    f"input gradient (global shape {self.shape}) overlaps dW"
+            where = f"along dim {self.gather_dim}{_in_blocks(self.gather_blocks)}"
+            return (f"sequence gather fused on {self.axis} {where}: async reduce-scatter of the input gradient "
+                    f"(global shape {self.shape}) overlaps dW"
                     + ("; the shard is kept and gathered again in backward" if self.regather else ""))
         return f"f fused on {self.axis}: async all-reduce of the input gradient (global shape {self.shape}) overlaps dW"
 

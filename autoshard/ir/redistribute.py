@@ -71,6 +71,14 @@ class CommStep:
         return self.stacked * math.prod(self.shape)
 
 
+def evenly_blocked(p: Shard, shape, size: int) -> bool:
+    """Whether ``size`` ranks hold equal, unpadded chunks of each of ``p``'s equal blocks: one reduce-scatter
+    (or all-gather) of the dim seen as ``(blocks, n / blocks)`` moves every block at once. A sequence shard
+    of a ``(b, s, h)`` stream viewed as ``(b * s, h)`` is ``b`` such blocks (HF's Conv1D flattens it so)."""
+    return (not p.unequal and shape is not None and len(shape) > p.dim
+            and shape[p.dim] % (p.blocks * size) == 0)
+
+
 def plan_redistribute(src: Placement, dst: Placement, shape, axis: str, size: int) -> tuple:
     """The transforms that move a tensor of global ``shape`` from ``src`` to ``dst`` on ``axis``."""
     if src == dst or size == 1:
@@ -82,9 +90,9 @@ def plan_redistribute(src: Placement, dst: Placement, shape, axis: str, size: in
     if isinstance(src, Partial):
         if isinstance(dst, Replicate):
             return (Transform("all_reduce", axis),)
-        if dst.blocks == 1 and shape[dst.dim] % size == 0:
-            return (Transform("reduce_scatter", axis, dst.dim, shape[dst.dim]),)
-        return (Transform("all_reduce", axis), cut(dst))   # padded or blocked: reduce, then cut
+        if evenly_blocked(dst, shape, size):     # even blocks: each block reduce-scattered (one collective)
+            return (Transform("reduce_scatter", axis, dst.dim, shape[dst.dim], dst.blocks),)
+        return (Transform("all_reduce", axis), cut(dst))   # padded or unequal blocks: reduce, then cut
     if isinstance(src, Shard):
         gather = Transform("all_gather", axis, src.dim, shape[src.dim], src.blocks)
         if isinstance(dst, Replicate):

@@ -18,6 +18,7 @@ from autoshard.runtime import traceable
 from autoshard.runtime import losses as L
 from autoshard.runtime.chunked_loss import ChunkedLinearCrossEntropy
 from autoshard.runtime.device import retarget
+from autoshard.runtime.layout import reblocked, unblocked
 from autoshard.runtime.recompute import checkpoint_regions
 
 
@@ -30,16 +31,21 @@ def _copy_to_parallel(op, comm, x):
 
 
 def _sequence_gather(op, comm, x):
-    return C.SequenceGather.apply(x, comm, op.dim)
+    x, dim = unblocked(x, op.dim, op.blocks)
+    return reblocked(C.SequenceGather.apply(x, comm, dim), op.dim, op.blocks)
 
 
 def _column_parallel_matmul(op, comm, x, weight, bias=None):
+    held = None
     if getattr(op, "defer_weight", False) and weight_grad.is_splitting() and torch.is_grad_enabled() \
             and weight.requires_grad:
         # the weight goes in detached, its history held for W (as ir.weight_grad.deferred_linear does)
-        return C.ColumnParallelMatmul.apply(x, weight.detach(), bias, comm, op.transposed, [weight], op.gather_dim,
-                                            op.regather)
-    return C.ColumnParallelMatmul.apply(x, weight, bias, comm, op.transposed, None, op.gather_dim, op.regather)
+        weight, held = weight.detach(), [weight]
+    if op.gather_dim is None:
+        return C.ColumnParallelMatmul.apply(x, weight, bias, comm, op.transposed, held)
+    x, dim = unblocked(x, op.gather_dim, op.gather_blocks)      # a (b * s, h) view's b blocks: see layout.py
+    y = C.ColumnParallelMatmul.apply(x, weight, bias, comm, op.transposed, held, dim, op.regather)
+    return reblocked(y, op.gather_dim, op.gather_blocks)
 
 
 def _vocab_parallel_embedding(op, comm, weight, idx):

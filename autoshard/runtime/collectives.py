@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from autoshard.ir import weight_grad
-from autoshard.runtime.layout import gather_full, take_shard
+from autoshard.runtime.layout import gather_full, reblocked, take_shard, unblocked
 
 
 def _fresh(t):
@@ -118,7 +118,8 @@ def _apply(x, step, comm):
     if step.kind == "all_reduce":
         return ReduceFromParallel.apply(x, comm)
     if step.kind == "reduce_scatter":
-        return ReduceScatterToParallel.apply(x, comm, step.dim)
+        x, dim = unblocked(x, step.dim, step.blocks)
+        return reblocked(ReduceScatterToParallel.apply(x, comm, dim), step.dim, step.blocks)
     if step.kind == "all_gather":
         return GatherFromParallel.apply(x, comm, step.dim, step.length, step.blocks)
     if step.kind == "shard":

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from autoshard.ir import ops
 from autoshard.runtime import collectives as C
 from autoshard.runtime.input_checks import check_range
+from autoshard.runtime.layout import reblocked, unblocked
 
 C10D = torch.ops._c10d_functional
 
@@ -121,14 +122,18 @@ def _copy_to_parallel(op, comm, x):
 
 
 def _sequence_gather(op, comm, x):
-    return C.SequenceGather.apply(x, FunctionalComm.of(comm), op.dim)
+    x, dim = unblocked(x, op.dim, op.blocks)
+    return reblocked(C.SequenceGather.apply(x, FunctionalComm.of(comm), dim), op.dim, op.blocks)
 
 
 def _column_parallel_matmul(op, comm, x, weight, bias=None):
     """f (or the sequence gather), then the matmul: Inductor schedules the gradient's collective against
     dW itself."""
-    x = (C.CopyToParallel.apply(x, FunctionalComm.of(comm)) if op.gather_dim is None
-         else C.SequenceGather.apply(x, FunctionalComm.of(comm), op.gather_dim))
+    if op.gather_dim is None:
+        x = C.CopyToParallel.apply(x, FunctionalComm.of(comm))
+    else:
+        x, dim = unblocked(x, op.gather_dim, op.gather_blocks)
+        x = reblocked(C.SequenceGather.apply(x, FunctionalComm.of(comm), dim), op.gather_dim, op.gather_blocks)
     return F.linear(x, weight.t() if op.transposed else weight, bias)
 
 
