@@ -67,6 +67,8 @@ def overlap_grad_allreduce_pass(gm: fx.GraphModule, ctx=None) -> fx.GraphModule:
         use = _matmul_use(node)
         if use is None or (gather is not None and (chain or _feeds_loss(gm, use[0]))):
             continue
+        if blocks != 1 and gather % len(fmod.shape) == len(fmod.shape) - 1:
+            continue    # the runtime splits a blocked dim in two around the matmul: not the one it contracts
         mm, weight, bias, transposed = use
         name = f.target.replace("f_", "column_matmul_") if gather is None else f"column_{f.target}"
         regather = ctx is not None and ctx.options.sequence_parallel == "regather"

@@ -106,7 +106,7 @@ def tp_rewrite_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             cache[u, "f"] = node
         return cache[u, "f"]
 
-    deferred = _partial_only_parameters(gm) if t > 1 else {}
+    deferred, reads = _partial_only_parameters(gm) if t > 1 else ({}, set())
     for n in gm.graph.nodes:
         s = M.STRATEGY.get(n)
         if n.op == "placeholder":
@@ -117,7 +117,7 @@ def tp_rewrite_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         else:
             mapping = {}
             for pos, u in enumerate(n.all_input_nodes):
-                if u in deferred:     # its gradient's tp shares are summed after backward (ir/partial_grads)
+                if u in reads:        # its gradient's tp shares are summed after backward (ir/partial_grads)
                     mapping[u] = env[u]
                 elif M.REQUIRES_GRAD.get(u, False) and partial_grad_use(s, pos):
                     mapping[u] = with_f(u)
@@ -148,21 +148,49 @@ def tp_rewrite_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return out
 
 
-def _partial_only_parameters(gm) -> dict:
-    """{placeholder: name} of the replicated parameters that need grad and every use of which leaves their
-    gradient partial over tp (a sequence-sharded norm's weight and bias): their f is left out and the
-    gradients are summed after backward, in one call. A parameter also read where its gradient is whole
-    keeps its f: summing after backward would count that part t times."""
-    out = {}
+# ops a parameter may be read through that change only its dtype or its view: its gradient flows back
+# through them linearly, so the sum of the tp shares after backward is the sum of what each rank passed back
+_READS_THROUGH = {aten._to_copy, aten.to, aten.alias, aten.view, aten.reshape, aten._unsafe_view}
+
+
+def _partial_only_parameters(gm) -> tuple:
+    """``({placeholder: name}, reads)``: the replicated parameters that need grad and every use of which
+    leaves their gradient partial over tp (a sequence-sharded norm's weight and bias), and ``reads``, those
+    parameters with the nodes that read them through dtype and view changes only (Cohere's norm multiplies
+    by ``weight.to(float32)``). Their f is left out and the gradients are summed after backward,
+    in one call. A parameter also read where its gradient is whole keeps its f: summing after backward
+    would count that part t times."""
+    params, reads = {}, set()
     for u in gm.graph.nodes:
         if u.op != "placeholder" or M.KIND.get(u, None) != "parameter" or not M.REQUIRES_GRAD.get(u, False):
             continue
         if not isinstance(M.SPEC.get(u).tp, Replicate) or not u.users:
             continue
-        if all(M.STRATEGY.get(n, None) is not None and partial_grad_use(M.STRATEGY.get(n), pos)
-               for n in u.users for pos, x in enumerate(n.all_input_nodes) if x is u):
-            out[u] = M.NAME.get(u)
-    return out
+        chain = _partial_reads(u)
+        if chain is not None:
+            params[u] = M.NAME.get(u)
+            reads |= chain
+    return params, reads
+
+
+def _partial_reads(u) -> set | None:
+    """``u`` and the nodes reading it through ``_READS_THROUGH`` (replicated), if every other use of them
+    leaves the gradient partial; else None."""
+    seen, todo = {u}, [u]
+    while todo:
+        v = todo.pop()
+        for n in v.users:
+            packet = getattr(n.target, "overloadpacket", None) if n.op == "call_function" else None
+            if (packet in _READS_THROUGH and n.args[0] is v and len(n.all_input_nodes) == 1
+                    and M.SPEC.has(n) and isinstance(M.SPEC.get(n).tp, Replicate)):
+                seen.add(n)
+                todo.append(n)
+                continue
+            strategy = M.STRATEGY.get(n, None)
+            if strategy is None or not all(partial_grad_use(strategy, pos)
+                                           for pos, x in enumerate(n.all_input_nodes) if x is v):
+                return None
+    return seen
 
 
 def _annotate(node, spec, shape, t, grad, source):

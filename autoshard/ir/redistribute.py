@@ -11,6 +11,7 @@ invariant in ``placement.py``:
 | ``all_gather``   | S -> R: all-gather            | take this rank's chunk (no communication)  |
 | ``shard``        | R -> S: take this rank's chunk| all-gather                                 |
 | ``to_partial``   | R -> P: rank 0 keeps the value, the others zeros | identity                |
+| ``shard_to_partial`` | S -> P: each rank its chunk in place, zeros elsewhere | take this rank's chunk |
 
 ``plan_redistribute`` composes them (S -> S' is gather then shard). ``CommStep`` is one collective one
 rank runs per step, the record every consumer of the plan reads.
@@ -35,7 +36,7 @@ _BWD_COLLECTIVE = {"reduce_scatter": "all_gather", "shard": "all_gather"}
 class Transform:
     """One forward step of a redistribution on ``axis``. ``dim``/``length``/``blocks`` describe the sharded
     dim it gathers or cuts (``length`` is the dim's global size, so padded and blocked shards are exact)."""
-    kind: str                 # all_reduce | reduce_scatter | all_gather | shard | to_partial
+    kind: str                 # all_reduce | reduce_scatter | all_gather | shard | to_partial | shard_to_partial
     axis: str
     dim: int | None = None
     length: int | None = None
@@ -73,7 +74,7 @@ class CommStep:
 
 def evenly_blocked(p: Shard, shape, size: int) -> bool:
     """Whether ``size`` ranks hold equal, unpadded chunks of each of ``p``'s equal blocks: one reduce-scatter
-    (or all-gather) of the dim seen as ``(blocks, n / blocks)`` moves every block at once. A sequence shard
+    (or sequence gather) of the dim seen as ``(blocks, n / blocks)`` moves every block at once. A sequence shard
     of a ``(b, s, h)`` stream viewed as ``(b * s, h)`` is ``b`` such blocks (HF's Conv1D flattens it so)."""
     return (not p.unequal and shape is not None and len(shape) > p.dim
             and shape[p.dim] % (p.blocks * size) == 0)
@@ -97,8 +98,8 @@ def plan_redistribute(src: Placement, dst: Placement, shape, axis: str, size: in
         gather = Transform("all_gather", axis, src.dim, shape[src.dim], src.blocks)
         if isinstance(dst, Replicate):
             return (gather,)
-        if isinstance(dst, Partial):
-            return (gather, Transform("to_partial", axis))
+        if isinstance(dst, Partial):    # no gather: the chunks, each zero-padded in place, sum to the whole
+            return (Transform("shard_to_partial", axis, src.dim, shape[src.dim], src.blocks),)
         return (gather, cut(dst))
     if isinstance(dst, Shard):
         return (cut(dst),)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from autoshard.ir import weight_grad
-from autoshard.runtime.layout import gather_full, reblocked, take_shard, unblocked
+from autoshard.runtime.layout import assemble, gather_full, reblocked, take_shard, unblocked
 
 
 def _fresh(t):
@@ -114,6 +114,24 @@ class ToPartial(torch.autograd.Function):
         return g, None
 
 
+class ShardToPartial(torch.autograd.Function):
+    """Shard -> Partial: this rank's chunk in its place of a zero tensor of the full size, so the ranks'
+    tensors sum to the whole (a residual on the sequence shard added to row-parallel partial sums before
+    their one reduce-scatter, as a parallel attention + MLP block does); backward, this rank's chunk of
+    the (replicated) gradient. No communication either way, where a gather would cost one."""
+    @staticmethod
+    def forward(ctx, x, comm, dim, n, blocks):
+        ctx.args = (comm, dim, n, blocks)
+        zeros = torch.zeros_like(x)
+        return _fresh(assemble(torch.cat([x if j == comm.rank else zeros for j in range(comm.size)], dim), dim, n,
+                               comm.size, blocks))
+
+    @staticmethod
+    def backward(ctx, g):
+        comm, dim, n, blocks = ctx.args
+        return take_shard(g, dim, n, comm.size, comm.rank, blocks).contiguous(), None, None, None, None
+
+
 def _apply(x, step, comm):
     if step.kind == "all_reduce":
         return ReduceFromParallel.apply(x, comm)
@@ -126,6 +144,8 @@ def _apply(x, step, comm):
         return ScatterToParallel.apply(x, comm, step.dim, step.length, step.blocks)
     if step.kind == "to_partial":
         return ToPartial.apply(x, comm)
+    if step.kind == "shard_to_partial":
+        return ShardToPartial.apply(x, comm, step.dim, step.length, step.blocks)
     raise ValueError(f"unknown redistribution step {step!r}")
 
 

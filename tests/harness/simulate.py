@@ -175,3 +175,17 @@ def assert_same(model, args, t, loss_fn=None, **options):
             assert (a is None) == (b is None), f"rank {rank}: an input gradient exists on one side only"
             if b is not None:
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank} input grad: {m}")
+
+
+def assert_hf_matches(model, t, kwargs, tol=1e-5, **options):
+    """Every rank of a simulated tp=``t`` run of an HF causal LM called with ``kwargs`` (as users call it):
+    the loss within 1e-5 of the single-device model's and every gradient within ``tol`` (relative)."""
+    from tests.harness.parity_checks import rel
+    ref = copy.deepcopy(model)
+    want = ref(**kwargs).loss
+    want.backward()
+    for rank, (out, grads, _) in enumerate(simulate(model, t, (), kwargs, loss_fn=lambda o: o.loss, **options)):
+        assert rel(out.loss.detach(), want.detach()) <= 1e-5, rank
+        for n, p in ref.named_parameters():
+            if p.grad is not None:
+                assert rel(grads[n], p.grad) <= tol, (rank, n)

@@ -33,9 +33,11 @@ def _full_to_local(full, placement, rank, t):
 def test_redistribution_runs_exactly_its_plan(t):
     """For every pair of placements (padded and blocked dims too): the runtime executes the planned steps,
     the value arrives right, and the collectives it runs, forward and backward, are those the plan lists
-    (the list the cost model prices and the dump prints)."""
+    (the list the cost model prices and the dump prints); and backward gives each rank the gradient its
+    source placement holds: its chunk of a shard, the whole of a replica or a partial sum."""
     shape = (5, 3 * t * 2)                                   # dim 0 padded at t=2 and t=3; dim 1 blocked
     full = torch.randn(shape, dtype=torch.float64)
+    grad = torch.randn(shape, dtype=torch.float64)
     mesh = MeshSpec(tp=t)
     for src, dst in itertools.product(PLACEMENTS, PLACEMENTS):
         if src == dst:
@@ -49,19 +51,20 @@ def test_redistribution_runs_exactly_its_plan(t):
             comm = comms["tp"]
             x = _full_to_local(full, src, rank, t).requires_grad_()
             y = redistribute(x, transforms, comm)
-            y.backward(torch.ones_like(y))
+            y.backward(_full_to_local(grad, dst, rank, t) if isinstance(dst, Shard) else grad)
             return y.detach(), sorted((ph, k) for (_, ph, k), n in comm.tracer.calls.items() for _ in range(n)), \
-                sum(comm.tracer.bytes.values())
+                sum(comm.tracer.bytes.values()), x.grad
 
         results = run_ranks(mesh, body)
-        for rank, (y, ran, nbytes) in enumerate(results):
+        for rank, (y, ran, nbytes, dx) in enumerate(results):
             assert ran == planned, (src, dst, rank, ran, planned)
+            assert torch.equal(dx, _full_to_local(grad, src, rank, t) if isinstance(src, Shard) else grad), (src, dst)
             assert nbytes == planned_bytes, (src, dst, rank, nbytes, planned_bytes)   # padding included
             if dst != P:
                 want = _full_to_local(full, dst, rank, t)
                 assert y.shape == local_shape(shape, dst, t) and torch.equal(y, want), (src, dst, rank)
         if dst == P:
-            assert torch.allclose(sum(y for y, _, _ in results), full), (src, dst)
+            assert torch.allclose(sum(y for y, _, _, _ in results), full), (src, dst)
 
 
 def test_simulator_runs_a_two_axis_mesh():
