@@ -236,10 +236,13 @@ def _add_edge(prob: Problem, ctx, cm, u, v, pos, grad, fuse_uses, stream_bytes=0
         # (R->P writes a zeros tensor on all ranks but one: cheap, but not free -- adding a row-parallel
         # bias after the all-reduce, as Megatron does, avoids it. S->P writes one of the full size around
         # each rank's chunk, in memory and not over a link: a residual or bias added after the reduction
-        # avoids it, but it beats the gather it replaces)
+        # avoids it, and a full-size tensor wider than the stream is priced as the replica a gather would
+        # make, so it is no way around the memory price (BitNet's MLP went S -> P -> reduce-scatter, four
+        # collectives where one gather had been)
         extra = nb / cm.bandwidth if isinstance(a, Replicate) and isinstance(r, Partial) else 0.0
         if isinstance(a, Shard) and isinstance(r, Partial):
-            extra = nb / cm.memory_bandwidth
+            extra = (nb / cm.memory_bandwidth
+                     + cm.replicate_memory_factor * max(0, nb - stream_bytes) / cm.bandwidth)
         return scale * collectives_time(transition(a, r, grad, shape, ctx.axis, t), nb, t, cm, stream_bytes) + extra
 
     if grad:
