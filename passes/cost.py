@@ -44,8 +44,14 @@ def collectives_time(steps, nbytes, t, cm: CostModel, stream_bytes: int = 0):
         return 0.0
     time = sum(cm.latency + volume(kind, nbytes, t) / cm.bandwidth for _, kind in steps)
     if any(phase == FWD and kind in ("all_gather", "all_reduce") for phase, kind in steps):
-        time += cm.replicate_memory_factor * max(0, nbytes - stream_bytes) / cm.bandwidth
+        time += replica_price(nbytes, stream_bytes, cm)
     return time
+
+
+def replica_price(nbytes, stream_bytes, cm: CostModel) -> float:
+    """The memory price of a full-size tensor on every rank (see ``collectives_time``): nothing up to the
+    residual stream's size, the memory factor per byte beyond it."""
+    return cm.replicate_memory_factor * max(0, nbytes - stream_bytes) / cm.bandwidth
 
 
 def _stream_candidates(gm) -> tuple:

@@ -31,7 +31,8 @@ from autoshard.ir.program import PlanReport
 from autoshard.ir.redistribute import volume
 from autoshard.passes.attention import attention_layouts, replicated_by_design
 from autoshard.passes.block_fold import fold_map
-from autoshard.passes.cost import collectives_time, flops, residual_stream_bytes, residual_stream_shape, transition
+from autoshard.passes.cost import (collectives_time, flops, replica_price, residual_stream_bytes, residual_stream_shape,
+                                  transition)
 from autoshard.passes.hints import block_hints, inherit_hints, offer_blocked_outputs
 from autoshard.passes.rules import RuleContext, Strategy, shard_options, strategies_for
 from autoshard.passes.shapes import module_path, shape_of, val
@@ -241,8 +242,7 @@ def _add_edge(prob: Problem, ctx, cm, u, v, pos, grad, fuse_uses, stream_bytes=0
         # collectives where one gather had been)
         extra = nb / cm.bandwidth if isinstance(a, Replicate) and isinstance(r, Partial) else 0.0
         if isinstance(a, Shard) and isinstance(r, Partial):
-            extra = (nb / cm.memory_bandwidth
-                     + cm.replicate_memory_factor * max(0, nb - stream_bytes) / cm.bandwidth)
+            extra = nb / cm.memory_bandwidth + replica_price(nb, stream_bytes, cm)
         return scale * collectives_time(transition(a, r, grad, shape, ctx.axis, t), nb, t, cm, stream_bytes) + extra
 
     if grad:

@@ -18,7 +18,7 @@ from autoshard.runtime import traceable
 from autoshard.runtime import losses as L
 from autoshard.runtime.chunked_loss import ChunkedLinearCrossEntropy
 from autoshard.runtime.device import retarget
-from autoshard.runtime.layout import reblocked, unblocked
+from autoshard.runtime.layout import blockwise
 from autoshard.runtime.recompute import checkpoint_regions
 
 
@@ -31,8 +31,7 @@ def _copy_to_parallel(op, comm, x):
 
 
 def _sequence_gather(op, comm, x):
-    x, dim = unblocked(x, op.dim, op.blocks)
-    return reblocked(C.SequenceGather.apply(x, comm, dim), op.dim, op.blocks)
+    return blockwise(lambda v, d: C.SequenceGather.apply(v, comm, d), x, op.dim, op.blocks)
 
 
 def _column_parallel_matmul(op, comm, x, weight, bias=None):
@@ -43,9 +42,8 @@ def _column_parallel_matmul(op, comm, x, weight, bias=None):
         weight, held = weight.detach(), [weight]
     if op.gather_dim is None:
         return C.ColumnParallelMatmul.apply(x, weight, bias, comm, op.transposed, held)
-    x, dim = unblocked(x, op.gather_dim, op.gather_blocks)      # a (b * s, h) view's b blocks: see layout.py
-    y = C.ColumnParallelMatmul.apply(x, weight, bias, comm, op.transposed, held, dim, op.regather)
-    return reblocked(y, op.gather_dim, op.gather_blocks)
+    return blockwise(lambda v, d: C.ColumnParallelMatmul.apply(v, weight, bias, comm, op.transposed, held, d,
+                                                               op.regather), x, op.gather_dim, op.gather_blocks)
 
 
 def _vocab_parallel_embedding(op, comm, weight, idx):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from autoshard.ir import weight_grad
-from autoshard.runtime.layout import assemble, gather_full, reblocked, take_shard, unblocked
+from autoshard.runtime.layout import assemble, blockwise, gather_full, take_shard
 
 
 def _fresh(t):
@@ -136,8 +136,7 @@ def _apply(x, step, comm):
     if step.kind == "all_reduce":
         return ReduceFromParallel.apply(x, comm)
     if step.kind == "reduce_scatter":
-        x, dim = unblocked(x, step.dim, step.blocks)
-        return reblocked(ReduceScatterToParallel.apply(x, comm, dim), step.dim, step.blocks)
+        return blockwise(lambda v, d: ReduceScatterToParallel.apply(v, comm, d), x, step.dim, step.blocks)
     if step.kind == "all_gather":
         return GatherFromParallel.apply(x, comm, step.dim, step.length, step.blocks)
     if step.kind == "shard":

@@ -43,13 +43,10 @@ def gather_full(x, dim, n, comm, blocks, phase):
     return assemble(comm.all_gather(x, dim, phase), dim, n, comm.size, blocks)
 
 
-def unblocked(x, dim, blocks):
-    """``(x, dim)`` for a collective along a dim of ``blocks`` equal blocks, each sharded over the ranks
-    (``take_shard``'s layout): ``x`` viewed ``(blocks, n / blocks)`` along it, and the dim inside the
-    blocks, where a plain all-gather or reduce-scatter moves every block at once."""
-    return (x, dim) if blocks == 1 else (x.unflatten(dim, (blocks, -1)), dim + 1)
-
-
-def reblocked(y, dim, blocks):
-    """The inverse view of ``unblocked`` on its collective's result."""
-    return y if blocks == 1 else y.flatten(dim, dim + 1)
+def blockwise(collective, x, dim, blocks):
+    """``collective(x, dim)`` along a dim of ``blocks`` equal blocks, each sharded over the ranks
+    (``take_shard``'s layout): run on ``x`` viewed ``(blocks, n / blocks)`` along it, on the dim inside the
+    blocks, where a plain all-gather or reduce-scatter moves every block at once; its result viewed back."""
+    if blocks == 1:
+        return collective(x, dim)
+    return collective(x.unflatten(dim, (blocks, -1)), dim + 1).flatten(dim, dim + 1)

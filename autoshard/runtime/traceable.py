@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from autoshard.ir import ops
 from autoshard.runtime import collectives as C
 from autoshard.runtime.input_checks import check_range
-from autoshard.runtime.layout import reblocked, unblocked
+from autoshard.runtime.layout import blockwise
 
 C10D = torch.ops._c10d_functional
 
@@ -121,9 +121,13 @@ def _copy_to_parallel(op, comm, x):
     return C.CopyToParallel.apply(x, FunctionalComm.of(comm))
 
 
+def _gathered(comm, x, dim, blocks):
+    fc = FunctionalComm.of(comm)
+    return blockwise(lambda v, d: C.SequenceGather.apply(v, fc, d), x, dim, blocks)
+
+
 def _sequence_gather(op, comm, x):
-    x, dim = unblocked(x, op.dim, op.blocks)
-    return reblocked(C.SequenceGather.apply(x, FunctionalComm.of(comm), dim), op.dim, op.blocks)
+    return _gathered(comm, x, op.dim, op.blocks)
 
 
 def _column_parallel_matmul(op, comm, x, weight, bias=None):
@@ -132,8 +136,7 @@ def _column_parallel_matmul(op, comm, x, weight, bias=None):
     if op.gather_dim is None:
         x = C.CopyToParallel.apply(x, FunctionalComm.of(comm))
     else:
-        x, dim = unblocked(x, op.gather_dim, op.gather_blocks)
-        x = reblocked(C.SequenceGather.apply(x, FunctionalComm.of(comm), dim), op.gather_dim, op.gather_blocks)
+        x = _gathered(comm, x, op.gather_dim, op.gather_blocks)
     return F.linear(x, weight.t() if op.transposed else weight, bias)
 
 
