@@ -168,7 +168,7 @@ def _calibrated_on_a_layer(cluster: Cluster, repeats: int, hidden: int = 256, se
         x = torch.randn(batch, seq, hidden, requires_grad=True)
     measured = _timed(lambda: block(x).sum().backward(), torch.device("cpu"), repeats)
     shape, c = model_shape(cfg), Candidate(1, 1, 1, batch, 1)
-    compute = 3 * _layer_seconds(shape, cluster.with_(op_overhead=0.0), c, batch * seq, cfg.flash)[0]
+    compute = 3 * _layer_seconds(shape, cluster.with_(op_overhead=0.0), c, batch * seq, cfg.flash).forward
     work = measured - 3 * OPS_PER_LAYER * cluster.op_overhead
     scale = min(1.0, max(0.2, compute / work)) if work > 0 else 1.0
     return cluster.with_(gemm_max_efficiency=cluster.gemm_max_efficiency * scale)

@@ -229,33 +229,32 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     t, p, b, m, v = c.tp, c.pp, c.b, c.m, c.v
     s, h = shape.seq, shape.hidden
     tokens = b * s
-    layers_per_rank = math.ceil(shape.layers / p)
-    f_layer, f_recompute, tp_layer, w_layer = _layer_seconds(shape, cluster, c, tokens, flash)
-    head_f = _with_host(cluster, cluster.gemm_seconds(tokens, shape.vocab / t, h)
-                        + _pointwise(cluster, 3 * tokens * shape.vocab / t * FP32), OPS_HEAD)
-    last_extra = 3 * head_f                      # the LM head and the loss, forward and backward, last rank
-    per_micro = layers_per_rank * (3 * f_layer) + (last_extra if p == 1 else 0)
-    per_micro_last = layers_per_rank * (3 * f_layer) + last_extra
-    embedding, loss = _vocab_parallel_seconds(shape, cluster, c, tokens)
-    # (compute, tp collectives) of a microbatch on the first, a middle and the last rank: the first adds
-    # the embedding's collective, the last its loss's; the slowest of them paces the pipeline
     # the GEMMs a layer's tp collectives can run beside, where the runtime pipelines them: its weight
     # GEMMs forward and twice in backward (and again when recomputed). A bound: userbuffers pairs each
     # collective with the one GEMM beside it, so at a small h or a large t (the attention output's
     # GEMM the tightest pair) less may hide
-    beside = (4 if c.recompute == "full" else 3) * w_layer if runtime.tp_overlap and c.sp else 0.0
-    tp = layers_per_rank * _exposed(cluster, tp_layer, beside)
+    overlap = (4 if c.recompute == "full" else 3) if runtime.tp_overlap and c.sp else 0
+    layers = _busiest_stage(shape, cluster, c, tokens, flash, overlap)
+    head_f = _with_host(cluster, cluster.gemm_seconds(tokens, shape.vocab / t, h)
+                        + _pointwise(cluster, 3 * tokens * shape.vocab / t * FP32), OPS_HEAD)
+    last_extra = 3 * head_f                      # the LM head and the loss, forward and backward, last rank
+    per_micro = 3 * layers.forward + (last_extra if p == 1 else 0)
+    per_micro_last = 3 * layers.forward + last_extra
+    embedding, loss = _vocab_parallel_seconds(shape, cluster, c, tokens)
+    # (compute, tp collectives) of a microbatch on the first, a middle and the last rank: the first adds
+    # the embedding's collective, the last its loss's; the slowest of them paces the pipeline
+    tp = layers.tp
     stages = ([(per_micro, tp + embedding + loss)] if p == 1 else
               [(per_micro, tp + embedding), (per_micro, tp), (per_micro_last, tp + loss)])
     slowest, tp = max(stages, key=sum)
-    recompute = layers_per_rank * f_recompute
+    recompute = layers.recompute
     round_time = slowest + recompute + tp        # one microbatch through this rank, all its chunks
     # a round's part that the pipeline's fill and drain leave idle: all of it under 1F1B and the
     # interleaved schedule; under ZB-H1 the weight gradients W (the layers' weight GEMMs again; the LM
     # head's dW stays in B, where the chunked loss computes it) fill the bubble, which leaves the paper's
     # (p - 1)(T_F + T_B - T_W). Not where ranks share cores: an idle rank lends its core already, and
     # on this 2-core host ZB-H1 measured 1F1B's step (68.3 against 68.2 ms at pp=4, m=4)
-    w = layers_per_rank * w_layer
+    w = layers.weight_gemms
     credit = c.zb and cluster.oversubscription <= 1
     idle_round = round_time - (2 * w if credit else 0.0)
     compute = m * slowest
@@ -271,11 +270,11 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     # ZeRO-1's parameter all-gather, where the runtime overlaps it, beside the next step's first forward:
     # one microbatch through the first chunk (under the interleaved schedule, a lower bound: its warm-up
     # runs p forwards of chunk 1 before chunk 2 needs its parameters)
-    first_forward = layers_per_rank * f_layer / v if runtime.param_gather_overlap else 0.0
+    first_forward = layers.forward / v if runtime.param_gather_overlap else 0.0
     dp_comm, optimizer = _data_parallel(shape, cluster, c, overlap, runtime, first_forward)
     # SP: the norms' weight and bias gradients are each tp rank's share, summed after the step's
     # backward in one all-reduce (ir/partial_grads), exposed
-    norms = ring_all_reduce_seconds(FP32 * h * NORM_TENSORS * layers_per_rank, t, cluster.link(t, 1)) if c.sp else 0.0
+    norms = ring_all_reduce_seconds(FP32 * h * NORM_TENSORS * layers.count, t, cluster.link(t, 1)) if c.sp else 0.0
     breakdown = Breakdown(compute, m * recompute, m * tp + norms, bubble, p2p, dp_comm, optimizer)
     return Prediction(c, breakdown.total, breakdown, _memory(shape, cluster, c, flash),
                       shape.model_flops(c.global_batch * s))
@@ -333,16 +332,47 @@ def _pointwise(cluster: Cluster, nbytes: float) -> float:
     return nbytes / cluster.hbm_bandwidth
 
 
-def _layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: float, flash: bool) -> tuple:
-    """(forward seconds of one layer for one microbatch, its recompute seconds, its tp collectives'
-    seconds over forward, backward and recompute, its weight GEMMs' forward seconds: as long as their
-    weight gradients, W, which a zero-bubble schedule defers)."""
+@dataclass(frozen=True)
+class LayerSeconds:
+    """Seconds of layers for one microbatch: of one layer (``_layer_seconds``), or of a stage's
+    (``_busiest_stage``, with ``count`` layers)."""
+    forward: float
+    recompute: float          # the part of forward run again in backward
+    tp: float                 # the tp collectives over forward, backward and recompute (a stage's: exposed)
+    weight_gemms: float       # the weight GEMMs' forward: as long as their weight gradients, W, which a
+                              # zero-bubble schedule defers
+    count: int = 1
+
+
+def _busiest_stage(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: float, flash: bool,
+                   overlap: int) -> LayerSeconds:
+    """The layers of the pipeline stage that takes longest a microbatch, when ``c.pp`` stages cut the
+    stack evenly: ceil(layers / pp) alike layers, or the costliest mix of an MoE model's MoE and dense
+    layers (``ModelShape.stage_mixes``). Its tp collectives are the exposed part: each layer's beside
+    ``overlap`` times its weight GEMMs (0: the runtime does not pipeline them)."""
+    kinds = []
+    for kind, _ in shape.layer_kinds():
+        one = _layer_seconds(kind, cluster, c, tokens, flash)
+        kinds.append(LayerSeconds(one.forward, one.recompute, _exposed(cluster, one.tp, overlap * one.weight_gemms),
+                                  one.weight_gemms))
+    mixes = shape.stage_mixes(c.pp)
+    if len(kinds) == 1:
+        k, (n,) = kinds[0], mixes[0]
+        return LayerSeconds(n * k.forward, n * k.recompute, n * k.tp, n * k.weight_gemms, count=n)
+
+    def total(mix):
+        return LayerSeconds(*(sum(n * getattr(k, f) for n, k in zip(mix, kinds))
+                              for f in ("forward", "recompute", "tp", "weight_gemms")), count=sum(mix))
+    return max((total(mix) for mix in mixes), key=lambda x: 3 * x.forward + x.recompute + x.tp)
+
+
+def _layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: float, flash: bool) -> LayerSeconds:
+    """One layer of ``shape`` (a uniform one: a kind of ``ModelShape.layer_kinds``) for one microbatch."""
     t, h, s = c.tp, shape.hidden, shape.seq
-    gemms = (cluster.gemm_seconds(tokens, (shape.q_width + 2 * shape.kv_width) / t, h)   # q, k, v
-             + cluster.gemm_seconds(tokens, h, shape.q_width / t)                        # attention output
+    gemms = (sum(cluster.gemm_seconds(tokens, *g.local(t)) for g in shape.attention_gemms())
              + _mlp_seconds(shape, cluster, tokens, t))
     heads = c.b * shape.heads / t
-    core = cluster.gemm_seconds(s, s, shape.head_dim, count=2 * heads)          # Q K^T and P V
+    core = cluster.gemm_seconds(s, s, shape.core_head_dim, count=2 * heads)     # Q K^T and P V
     # memory-bound ops: two norms, two dropout + residual adds on the whole stream; the activation on
     # the MLP's width and the attention's softmax (an s x s matrix per head unless flash keeps none)
     stream = BF16 * tokens * h * 14
@@ -357,7 +387,7 @@ def _layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: fl
     if c.sp == "regather" and c.recompute != "full":   # the two column-parallel inputs gathered again: an
         collectives += one                             # all-gather each, half an all-reduce's traffic
     again = {"full": forward, "selective": core}.get(c.recompute, 0.0)
-    return forward, again, collectives, gemms
+    return LayerSeconds(forward, again, collectives, gemms)
 
 
 def _mlp_seconds(shape: ModelShape, cluster: Cluster, tokens: float, t: int) -> float:
@@ -379,7 +409,11 @@ def _mlp_seconds(shape: ModelShape, cluster: Cluster, tokens: float, t: int) -> 
 def _rank_params(shape: ModelShape, c: Candidate) -> float:
     """Parameters the most loaded rank holds: its layers' shards and, on the first or last stage, the
     embedding's (and the head's) vocabulary shard."""
-    layers = math.ceil(shape.layers / c.pp) * shape.layer_params() / c.tp
+    if shape.dense_layers:
+        kinds = [kind.layer_params() for kind, _ in shape.layer_kinds()]
+        layers = max(sum(n * k for n, k in zip(mix, kinds)) for mix in shape.stage_mixes(c.pp)) / c.tp
+    else:
+        layers = -(-shape.layers // c.pp) * shape.layer_params() / c.tp
     vocab = shape.vocab * shape.hidden / c.tp
     ends = vocab + shape.positions * shape.hidden if c.pp == 1 or shape.tied else vocab
     if c.pp == 1 and not shape.tied:
@@ -433,13 +467,14 @@ def stage_memory(shape: ModelShape, c: Candidate, rank: int, flash: bool = True,
     params = _rank_params(shape, c)
     optimizer = params * 3 * FP32 / (c.dp if c.zero else 1)
     scale = activation_bytes / BF16
-    per_layer = activation_bytes_per_layer(shape, c.b, c.tp, c.recompute, flash, c.sp) * scale
+    kinds = [kind for kind, _ in shape.layer_kinds()]      # an MoE model's dense layers may keep more
+    per_layer = max([activation_bytes_per_layer(k, c.b, c.tp, c.recompute, flash, c.sp) for k in kinds]) * scale
     chunk_layers = shape.layers / (c.pp * c.v)
     microbatches = {"gpipe": c.m * c.v, "zb-h1": in_flight(c.pp, c.m, c.v, 0),
                     "zb-h2": min(c.m, 2 * c.pp - 1)}.get(schedule, in_flight(c.pp, c.m, c.v, rank))
     held = microbatches * chunk_layers * per_layer
     if c.recompute == "full":     # one layer's whole activations while it is recomputed
-        held += activation_bytes_per_layer(shape, c.b, c.tp, "none", flash, c.sp) * scale
+        held += max([activation_bytes_per_layer(k, c.b, c.tp, "none", flash, c.sp) for k in kinds]) * scale
     if rank == c.pp - 1:
         held += 2 * FP32 * c.b * shape.seq * shape.vocab / c.tp     # the fp32 logits and their gradient
     return Memory(params * BF16, params * FP32, optimizer, held)

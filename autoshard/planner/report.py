@@ -36,7 +36,7 @@ def plan_md(plans: Plans) -> str:
     q = best.prediction
     shape, cluster = plans.shape, plans.cluster
     lines = [f"# Plan: {shape.name} on {plans.gpus} GPUs of {cluster.name}", "",
-             f"Model: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads ({shape.kv_heads} kv), "
+             f"Model: {shape.layers} layers, hidden {shape.hidden}, {_attention(shape)}, "
              f"{_mlp(shape)}, vocabulary {shape.vocab}, sequence {shape.seq}; "
              f"{shape.params() / 1e9:.2f} B parameters. Global batch {plans.global_batch} sequences.", "",
              f"Cluster: {cluster.gpus_per_node} GPUs a node, {cluster.peak_flops / 1e12:.0f} TFLOP/s peak, "
@@ -121,9 +121,31 @@ def plot_svg(plans: Plans, width: int = 900, height: int = 420) -> str:
     return "\n".join(out)
 
 
+def _attention(shape) -> str:
+    if shape.kv_lora_rank:
+        q = f"q rank {shape.q_lora_rank}, " if shape.q_lora_rank else ""
+        return (f"{shape.heads} heads of multi-head latent attention ({q}kv rank {shape.kv_lora_rank}, "
+                f"q/k head {shape.head_dim}, v head {shape.value_head_dim})")
+    return f"{shape.heads} heads ({shape.kv_heads} kv)"
+
+
 def _mlp(shape) -> str:
     gated = " (gated)" if shape.gated else ""
     if shape.experts == 1:
         return f"MLP {shape.ffn}{gated}"
     shared = f" + shared {shape.shared_ffn}" if shape.shared_ffn else ""
-    return f"MoE MLP: {shape.experts} experts of {shape.ffn}{gated}, top-{shape.experts_per_token}{shared}"
+    dense = (f"; layers {_spans(shape.dense_layers)} a dense MLP {shape.dense_ffn}" if shape.dense_layers else "")
+    return f"MoE MLP: {shape.experts} experts of {shape.ffn}{gated}, top-{shape.experts_per_token}{shared}{dense}"
+
+
+def _spans(indices) -> str:
+    """``0-2, 5, 7`` for (0, 1, 2, 5, 7)."""
+    out, run = [], []
+    for i in indices:
+        if run and i != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(i)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)

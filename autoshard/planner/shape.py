@@ -7,6 +7,7 @@ model. Nothing is allocated: a 1T-parameter model is planned from its config alo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -34,10 +35,26 @@ class ModelShape:
     experts: int = 1          # MoE: experts a layer holds (1: a dense MLP)
     experts_per_token: int = 1    # MoE: experts each token runs through (top-k)
     shared_ffn: int = 0       # MoE: the inner width of the experts every token runs through (Qwen2-MoE's)
+    # multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi K2, MiniCPM3): q, and k and v together, each
+    # through a low-rank down projection (replicated over tp, as Megatron's MLA keeps it), then up by head
+    # (column-parallel). ``head_dim`` is then a q/k head's width (its rotary part included)
+    kv_lora_rank: int = 0     # > 0: the attention is MLA
+    q_lora_rank: int = 0      # MLA: q's down projection (0: q projected from the stream directly)
+    rope_head_dim: int = 0    # MLA: the rotary part of a q/k head (k's, one for all heads, rides the down projection)
+    v_head_dim: int = 0       # MLA: a value head's width (0: head_dim)
+    # MoE models whose layers are not all alike: these layers' MLP is dense, ``dense_ffn`` wide (DeepSeek's
+    # first k layers, Qwen2-MoE's mlp_only_layers, Llama 4's every other layer); the fields above describe
+    # the others. Read off the model's layers (``model_shape``)
+    dense_layers: tuple = ()
+    dense_ffn: int = 0
 
     @property
     def head_dim(self) -> int:
         return self.attention_head_dim or self.hidden // self.heads
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
 
     @property
     def q_width(self) -> int:
@@ -45,7 +62,33 @@ class ModelShape:
 
     @property
     def kv_width(self) -> int:
+        """The width of k and of v (their mean under MLA, whose k and v heads differ and are one per head)."""
+        if self.kv_lora_rank:
+            return self.heads * (self.head_dim + self.value_head_dim) // 2
         return self.kv_heads * self.head_dim
+
+    def attention_gemms(self) -> tuple:
+        """The attention's weight matrices, as tensor parallelism splits them: one fused q/k/v projection
+        (column-parallel) and the output's (row-parallel); under MLA the two down projections
+        (replicated), the up projections (column-parallel) and the output's."""
+        return self._attention_gemms
+
+    @functools.cached_property
+    def _attention_gemms(self) -> tuple:     # the planner asks for them for every candidate it prices
+        h = self.hidden
+        if not self.kv_lora_rank:
+            return (Gemm(h, self.q_width + 2 * self.kv_width, "outer"), Gemm(self.q_width, h, "inner"))
+        q = ((Gemm(h, self.q_lora_rank, ""), Gemm(self.q_lora_rank, self.q_width, "outer")) if self.q_lora_rank
+             else (Gemm(h, self.q_width, "outer"),))
+        nope = self.head_dim - self.rope_head_dim
+        return q + (Gemm(h, self.kv_lora_rank + self.rope_head_dim, ""),
+                    Gemm(self.kv_lora_rank, self.heads * (nope + self.value_head_dim), "outer"),
+                    Gemm(self.heads * self.value_head_dim, h, "inner"))
+
+    @property
+    def core_head_dim(self) -> float:
+        """A head's width in the attention core, the mean of Q K^T's (q/k) and P V's (v)."""
+        return (self.head_dim + self.value_head_dim) / 2
 
     @property
     def active_ffn(self) -> int:
@@ -53,10 +96,15 @@ class ModelShape:
         return self.experts_per_token * self.ffn + self.shared_ffn if self.experts > 1 else self.ffn
 
     def layer_params(self) -> int:
-        """Weights of one transformer layer (biases and norms are a rounding error, and counted as 4h); an
-        MoE layer holds every expert, and its router."""
+        """Weights of one transformer layer (biases and norms are a rounding error, and counted as 4h; MLA's
+        two low-rank norms too); an MoE layer holds every expert, and its router. Of a model with dense
+        layers among MoE ones (``dense_layers``), an MoE layer's."""
+        return self._layer_params
+
+    @functools.cached_property
+    def _layer_params(self) -> int:
         h = self.hidden
-        attention = h * (self.q_width + 2 * self.kv_width) + self.q_width * h
+        attention = sum(g.inner * g.outer for g in self.attention_gemms()) + self.q_lora_rank + self.kv_lora_rank
         width = self.experts * self.ffn + self.shared_ffn if self.experts > 1 else self.ffn
         mlp = (3 if self.gated else 2) * h * width + (h * self.experts if self.experts > 1 else 0)
         return attention + mlp + 4 * h
@@ -66,17 +114,30 @@ class ModelShape:
 
     def params(self) -> int:
         head = 0 if self.tied else self.vocab * self.hidden
-        return self.layers * self.layer_params() + self.embedding_params() + head
+        layers = sum(len(idx) * kind.layer_params() for kind, idx in self.layer_kinds())
+        return layers + self.embedding_params() + head
 
     def layer_forward_flops(self, tokens: float) -> float:
         """Forward flops of one layer over ``tokens`` tokens of one sequence length (the GEMMs: the
-        projections, the attention scores and values, the MLP), as Megatron-LM's paper counts them."""
-        h, s = self.hidden, self.seq
-        projections = 2 * tokens * (h * (self.q_width + 2 * self.kv_width) + self.q_width * h)
-        attention = 2 * 2 * tokens * s * self.q_width
-        mlp = 2 * tokens * (3 if self.gated else 2) * h * self.active_ffn
-        router = 2 * tokens * h * self.experts if self.experts > 1 else 0
+        projections, the attention scores and values, the MLP), as Megatron-LM's paper counts them. Of a
+        model with dense layers among MoE ones, an MoE layer's."""
+        s = self.seq
+        projections = 2 * tokens * sum(g.inner * g.outer for g in self.attention_gemms())
+        attention = 2 * 2 * tokens * s * self.heads * self.core_head_dim
+        mlp = 2 * tokens * (3 if self.gated else 2) * self.hidden * self.active_ffn
+        router = 2 * tokens * self.hidden * self.experts if self.experts > 1 else 0
         return projections + attention + mlp + router
+
+    def layer_kinds(self) -> tuple:
+        """``(shape, layer indices)`` per kind of layer: every layer, or the MoE layers and the dense ones
+        (each kind a uniform ``ModelShape``, which the cost model prices one layer of)."""
+        return _layer_kinds(self) if self.dense_layers else ((self, range(self.layers)),)
+
+    def stage_mixes(self, p: int) -> tuple:
+        """The layers of each kind (``layer_kinds``' order) pipeline stages hold when ``p`` stages cut the
+        stack evenly (ceil(layers / p) a stage, the last ones the rest): the distinct mixes, largest
+        first. One mix, ``(ceil(layers / p),)``, where the layers are all alike."""
+        return _stage_mixes(self, p) if self.dense_layers else ((-(-self.layers // p),),)
 
     def head_forward_flops(self, tokens: float) -> float:
         return 2 * tokens * self.hidden * self.vocab
@@ -84,7 +145,42 @@ class ModelShape:
     def model_flops(self, tokens: float) -> float:
         """Flops of one training step over ``tokens`` tokens without recompute: forward and backward (3x
         forward), every layer and the LM head: the numerator of model TFLOP/s (MFU)."""
-        return 3 * (self.layers * self.layer_forward_flops(tokens) + self.head_forward_flops(tokens))
+        layers = sum(len(idx) * kind.layer_forward_flops(tokens) for kind, idx in self.layer_kinds())
+        return 3 * (layers + self.head_forward_flops(tokens))
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One weight matrix of a layer, ``inner`` features in and ``outer`` out, and the dimension tensor
+    parallelism splits: "outer" (column-parallel), "inner" (row-parallel) or "" (replicated)."""
+    inner: int
+    outer: int
+    split: str
+
+    def local(self, t: int) -> tuple:
+        """``(outer, inner)`` on one of ``t`` tensor-parallel ranks."""
+        return (self.outer / t if self.split == "outer" else self.outer,
+                self.inner / t if self.split == "inner" else self.inner)
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_kinds(shape: ModelShape) -> tuple:
+    dense = set(shape.dense_layers)
+    moe = dataclasses.replace(shape, dense_layers=(), dense_ffn=0)
+    mlp = dataclasses.replace(moe, experts=1, experts_per_token=1, shared_ffn=0, ffn=shape.dense_ffn)
+    return ((moe, tuple(i for i in range(shape.layers) if i not in dense)), (mlp, tuple(sorted(dense))))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_mixes(shape: ModelShape, p: int) -> tuple:
+    kinds = shape.layer_kinds()
+    per = -(-shape.layers // p)
+    mixes = set()
+    for r in range(p):
+        span = range(r * per, min(shape.layers, (r + 1) * per))
+        if len(span):
+            mixes.add(tuple(sum(1 for i in idx if i in span) for _, idx in kinds))
+    return tuple(sorted(mixes, key=sum, reverse=True))
 
 
 def model_shape(model, seq: int | None = None, name: str | None = None) -> ModelShape:
@@ -113,11 +209,20 @@ def model_shape(model, seq: int | None = None, name: str | None = None) -> Model
         raise ValueError(f"{fields.get('model_type') or 'this config'} is an encoder-decoder model; the planner "
                          "prices decoder-only stacks: pass a ModelShape(...) of its decoder instead")
     fields = _canonical(fields, config)
-    shape = _from_hf(fields, seq, name)
-    # the user's model, else the config built on meta once: its first layer is read, its parameters checked
+    # the user's model, else the config built on meta once: its layers are read, its parameters checked
     whole = model if isinstance(model, torch.nn.Module) else _built(fields)
-    layer = _decoder_layer(whole) if whole is not None else _first_layer(fields)
+    if whole is not None and hasattr(getattr(whole, "config", None), "to_dict"):
+        # what the fields leave out, the model was built with: its config class's defaults
+        fields = _canonical({**whole.config.to_dict(), **{k: v for k, v in fields.items() if v is not None}}, whole.config)
+    layers = _decoder_layers(whole) if whole is not None else []
+    _uniform(fields, layers_read=bool(layers))
+    shape = _from_hf(fields, seq, name)
+    moe = [i for i, layer in enumerate(layers) if _has_experts(layer)]
+    # an MoE model's first layer may be dense (DeepSeek's): its MoE layers' structure is read off an MoE one
+    layer = layers[moe[0] if moe and shape.experts > 1 else 0] if layers else _first_layer(fields)
     shape = _with_layer_structure(shape, layer)
+    shape = _with_attention_heads(shape, layer)
+    shape = _with_dense_layers(shape, layers, moe)
     _check_parameters(shape, whole, layer)
     return shape
 
@@ -186,12 +291,12 @@ def _with_layer_structure(shape: ModelShape, layer) -> ModelShape:
     ``meta`` from a one-layer copy of its config: nothing allocated): whether it is gated (a ``gate_proj``,
     whatever the activation is called: Gemma's ``gelu_pytorch_tanh`` GeGLU, BitNet's ``relu2``), and the
     width of a shared expert the config names in no field ``_from_hf`` knows (Llama 4's, Hunyuan's, Ernie
-    4.5's). Layouts where the first layer is not every layer's (dense layers before MoE ones, MoE every
-    other layer) are refused by ``_uniform`` first. Unchanged where there is no layer to read."""
+    4.5's). ``layer``: an MoE layer where the model has one (its dense layers are ``_with_dense_layers``').
+    Unchanged where there is no layer to read."""
     if layer is None:
         return shape
     names = [n for n, _ in layer.named_parameters()]
-    mlp = [n for n in names if not n.startswith(("self_attn", "attention", "attn", "self_attention"))]
+    mlp = [n for n in names if not n.startswith(_ATTENTION)]
     gated = any(part in _GATES for n in mlp for part in n.split(".")) or shape.gated
     shared = shape.shared_ffn
     if shape.experts > 1 and not shared:
@@ -218,17 +323,56 @@ def _first_layer(fields: dict):
 
 
 def _decoder_layer(model):
-    """The first of ``model``'s decoder layers: the first module of a class HF names in
-    ``_no_split_modules`` (its decoder layer), else the first element of a ``ModuleList`` called
-    ``layers``, ``h`` or ``blocks``; None if neither is found."""
+    """The first of ``model``'s decoder layers (``_decoder_layers``), or None."""
+    layers = _decoder_layers(model)
+    return layers[0] if layers else None
+
+
+def _decoder_layers(model) -> list:
+    """``model``'s decoder layers in order: the modules of the class HF names first in
+    ``_no_split_modules`` that the model holds (its decoder layer), else the elements of a ``ModuleList``
+    called ``layers``, ``h`` or ``blocks``; empty if neither is found."""
     blocks = set(getattr(model, "_no_split_modules", None) or ())
-    for module in model.modules():
-        if type(module).__name__ in blocks:
-            return module
+    found = [module for module in model.modules() if type(module).__name__ in blocks]
+    if found:
+        return [module for module in found if type(module) is type(found[0])]
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) and name.split(".")[-1] in ("layers", "h", "blocks"):
-            return module[0]
-    return None
+            return list(module)
+    return []
+
+
+def _has_experts(layer) -> bool:
+    """Whether a decoder layer's MLP is a mixture of experts: it holds parameters under an ``experts``."""
+    return any("experts" in name.split(".") for name, _ in layer.named_parameters())
+
+
+_ATTENTION = ("self_attn", "attention", "attn", "self_attention")
+
+
+def _with_attention_heads(shape: ModelShape, layer) -> ModelShape:
+    """``shape`` with a k/v head per q head where the config names kv heads its model does not use
+    (Persimmon's attention is multi-head whatever ``num_key_value_heads`` says): the layer's attention
+    matrices hold what multi-head attention would and not what the config's groups would."""
+    if layer is None or shape.kv_lora_rank or shape.kv_heads == shape.heads:
+        return shape
+    held = sum(p.numel() for n, p in layer.named_parameters() if p.dim() == 2 and n.startswith(_ATTENTION))
+    mha = dataclasses.replace(shape, kv_heads=shape.heads)
+    priced = [sum(g.inner * g.outer for g in s.attention_gemms()) for s in (shape, mha)]
+    return mha if held != priced[0] and held == priced[1] else shape
+
+
+def _with_dense_layers(shape: ModelShape, layers: list, moe: list) -> ModelShape:
+    """An MoE ``shape`` with the layers of ``layers`` whose MLP is dense, and that MLP's width (its
+    matrices' parameters over h per matrix), where some are (DeepSeek's first k, Qwen2-MoE's
+    mlp_only_layers, Llama 4's every other). Unchanged for a dense model, or where every layer is MoE."""
+    if shape.experts == 1 or not moe or len(layers) != shape.layers or len(moe) == len(layers):
+        return shape
+    dense = tuple(i for i in range(len(layers)) if i not in set(moe))
+    weights = sum(p.numel() for n, p in layers[dense[0]].named_parameters()
+                  if p.dim() == 2 and not n.startswith(_ATTENTION))
+    width = round(weights / ((3 if shape.gated else 2) * shape.hidden))
+    return dataclasses.replace(shape, dense_layers=dense, dense_ffn=width)
 
 
 def _canonical(fields: dict, config) -> dict:
@@ -290,14 +434,14 @@ def _first(fields: dict, *keys, default=None):
     return default
 
 
-def _uniform(fields: dict) -> None:
-    """Raise where the config's layers are not alike or its attention is not the planner's: multi-head
-    latent attention (DeepSeek-V2/V3's low-rank q/kv), or dense and MoE layers mixed (DeepSeek's first
-    dense layers, Qwen2-MoE's ``mlp_only_layers`` or sparse step, Jamba's expert period). Priced as
-    uniform layers those came out 27% over their parameters (a small DeepSeek-V3) or 60% under."""
+def _uniform(fields: dict, layers_read: bool = False) -> None:
+    """Raise where the config's layers are what a ``ModelShape`` cannot hold: mixers other than softmax
+    attention (Mamba, linear attention, short convolutions), per-layer overrides or embeddings, or dense
+    and MoE layers mixed (DeepSeek's first dense layers, Qwen2-MoE's ``mlp_only_layers`` or sparse step,
+    Llama 4's interleave step) where the model's layers could not be read (``layers_read``: transformers
+    built it on meta), which is where ``model_shape`` finds which are dense. Priced as uniform layers the
+    mixes came out 27% over their parameters (a small DeepSeek-V3) or 60% under."""
     why = []
-    if fields.get("kv_lora_rank") or fields.get("q_lora_rank"):
-        why.append("its attention is multi-head latent attention (kv_lora_rank / q_lora_rank)")
     mixed = [k for k, dense in (("first_k_dense_replace", 0), ("mlp_only_layers", None), ("decoder_sparse_step", 1),
                                 ("expert_layer_period", 1), ("moe_layer_freq", 1), ("moe_layer_start_index", 0),
                                 ("moe_layer_interval", 1), ("interleave_moe_layer_step", 1))
@@ -305,8 +449,9 @@ def _uniform(fields: dict) -> None:
     layers, end = fields.get("num_hidden_layers"), fields.get("moe_layer_end_index")
     if isinstance(end, int) and end >= 0 and isinstance(layers, int) and end < layers - 1:
         mixed.append("moe_layer_end_index")
-    if mixed:
-        why.append(f"its layers mix dense and MoE MLPs ({', '.join(mixed)})")
+    if mixed and not layers_read:
+        why.append(f"its layers mix dense and MoE MLPs ({', '.join(mixed)}), and transformers cannot build the "
+                   "model to read which")
     mixers = sorted({str(t) for key in ("layer_types", "block_types", "layers_block_type")
                      for t in (fields.get(key) or ()) if not _softmax_attention(str(t))})
     if mixers or any(k.startswith(("mamba_", "ssm_", "linear_conv", "conv_L")) for k in fields):
@@ -334,7 +479,6 @@ def _softmax_attention(layer_type: str) -> bool:
 
 
 def _from_hf(fields: dict, seq, name) -> ModelShape:
-    _uniform(fields)
     hidden = int(_first(fields, "hidden_size", "n_embd", "d_model"))
     heads = int(_first(fields, "num_attention_heads", "n_head"))
     # grouped-query (Llama's name, ChatGLM's, Falcon's new decoder's), or Falcon's classic multi-query
@@ -359,6 +503,9 @@ def _from_hf(fields: dict, seq, name) -> ModelShape:
                          default=2048))
     learned = model_type in ("gpt2", "opt", "gpt_bigcode", "gpt_neo", "biogpt")     # a position table of weights
     head_dim = int(fields.get("head_dim") or 0)
+    mla = _mla(fields)
+    if mla:             # its k and v have a head per q head; its config's head_dim is the rotary part's
+        kv, head_dim = heads, mla["attention_head_dim"]
     return ModelShape(name or fields.get("_name_or_path") or model_type or "hf",
                       int(_first(fields, "num_hidden_layers", "n_layer")), hidden, heads, kv, ffn,
                       int(_first(fields, "vocab_size")), int(seq or context), gated=gated,
@@ -366,7 +513,20 @@ def _from_hf(fields: dict, seq, name) -> ModelShape:
                       attention_head_dim=head_dim if head_dim and head_dim != hidden // heads else 0,
                       experts=experts, experts_per_token=min(experts, int(fields.get("num_experts_per_tok") or 1))
                       if experts > 1 else 1,
-                      shared_ffn=shared if experts > 1 else 0)
+                      shared_ffn=shared if experts > 1 else 0,
+                      **{k: v for k, v in mla.items() if k != "attention_head_dim"})
+
+
+def _mla(fields: dict) -> dict:
+    """Multi-head latent attention's sizes, as ``ModelShape`` fields, from DeepSeek-V2/V3's names (MiniCPM3
+    and Kimi K2 use them too); empty where the attention is not MLA."""
+    kv_rank = int(fields.get("kv_lora_rank") or 0)
+    if not kv_rank:
+        return {}
+    rope = int(_first(fields, "qk_rope_head_dim"))
+    nope = int(_first(fields, "qk_nope_head_dim"))
+    return dict(kv_lora_rank=kv_rank, q_lora_rank=int(fields.get("q_lora_rank") or 0), rope_head_dim=rope,
+                v_head_dim=int(_first(fields, "v_head_dim", default=nope)), attention_head_dim=nope + rope)
 
 
 def _with_seq(shape: ModelShape, seq: int) -> ModelShape:

@@ -46,7 +46,7 @@ def test_zb_h1_leaves_a_third_of_the_1f1b_bubble(p, m):
     from autoshard.planner.cost import _layer_seconds
     one, zb = (predict(SMALL_VOCAB, FREE_LINKS, Candidate(dp=1, pp=p, tp=1, b=1, m=m, zb=z)) for z in (False, True))
     w = math.ceil(SMALL_VOCAB.layers / p) * _layer_seconds(SMALL_VOCAB, FREE_LINKS, one.candidate, SMALL_VOCAB.seq,
-                                                             True)[3]
+                                                             True).weight_gemms
     assert zb.breakdown.bubble == pytest.approx(one.breakdown.bubble - (p - 1) * 2 * w, rel=1e-9)
     assert one.breakdown.bubble / 3 < zb.breakdown.bubble < one.breakdown.bubble / 2   # mostly GEMMs
     assert zb.breakdown.compute == one.breakdown.compute

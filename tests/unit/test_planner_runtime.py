@@ -56,7 +56,7 @@ def test_the_parameter_gather_hides_behind_one_microbatch_of_the_first_chunk(b, 
     c = Candidate(dp=16, pp=pp, tp=8, b=b, m=32 // b, v=v, recompute="none", zero=1)
     link, params = DGX_H100.link(16, 8 * pp), _rank_params(shape, c)
     reduce, gather = ring_all_reduce_seconds(4 * params, 16, link) / 2, ring_all_reduce_seconds(2 * params, 16, link) / 2
-    window = -(-shape.layers // pp) * _layer_seconds(shape, NO_SHARE, c, b * shape.seq, True)[0] / v
+    window = -(-shape.layers // pp) * _layer_seconds(shape, NO_SHARE, c, b * shape.seq, True).forward / v
     runtime = Runtime("x", dp_overlap=False, sharded_grads=True, param_gather_overlap=True)
     got = predict(shape, NO_SHARE, c, runtime=runtime).breakdown.dp_comm
     assert got == pytest.approx(reduce + max(0.0, gather - window))
@@ -86,13 +86,15 @@ def test_tp_collectives_pipelined_under_the_gemms_leave_the_model_ends_and_their
     assert with_share == pytest.approx(ends + DGX_H100.comm_compute_share * (exposed - ends))
     # on a link too slow to hide behind the GEMMs, what does not fit stays exposed
     slow = NO_SHARE.with_(intra=Link(2e9, 5e-6))
-    f, _, collectives, w = _layer_seconds(shape, slow, c, shape.seq, True)
+    one = _layer_seconds(shape, slow, c, shape.seq, True)
+    collectives, w = one.tp, one.weight_gemms
     assert collectives > 3 * w
     got = predict(shape, slow, c, runtime=overlap).breakdown.tp_comm
     assert got == pytest.approx(_tp_ends(shape, slow, c) + c.m * shape.layers * (collectives - 3 * w))
     # full recompute runs the forward's GEMMs again beside its collectives: 4 w of them
     full = dataclasses.replace(c, recompute="full")
-    f, _, collectives, w = _layer_seconds(shape, slow, full, shape.seq, True)
+    one = _layer_seconds(shape, slow, full, shape.seq, True)
+    collectives, w = one.tp, one.weight_gemms
     got = predict(shape, slow, full, runtime=overlap).breakdown.tp_comm
     assert got == pytest.approx(_tp_ends(shape, slow, full) + c.m * shape.layers * (collectives - 4 * w))
 

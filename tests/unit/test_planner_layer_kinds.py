@@ -1,0 +1,138 @@
+"""The planner on models whose layers are not all alike, and on multi-head latent attention.
+
+DeepSeek-V3 (and Kimi K2, GLM-4.5, dots.llm1) run their first layers with a dense MLP and the rest with
+experts; Qwen2-MoE names dense layers in ``mlp_only_layers``; Llama 4 Maverick puts experts on every
+other layer. ``model_shape`` reads which layers are dense off the model (built on ``meta``), and the
+cost model prices the busiest pipeline stage's own mix of them. MLA (DeepSeek-V2/V3, MiniCPM3) projects
+q and k/v through low-rank down projections that tensor parallelism replicates.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from autoshard.planner import DGX_H100, ModelShape, plan, predict
+from autoshard.planner.cost import Candidate, _rank_params
+from autoshard.planner.report import plan_md
+from autoshard.planner.shape import model_shape
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, vocab_size=512)
+
+
+def _configs():
+    T = transformers
+    return {
+        # MLA with a q rank, 1 dense layer first, shared expert
+        "deepseek_v3": (T.DeepseekV3Config(**SMALL, intermediate_size=512, moe_intermediate_size=64,
+                                           n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                                           first_k_dense_replace=1, q_lora_rank=96, kv_lora_rank=64,
+                                           qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_group=1,
+                                           topk_group=1), (0,)),
+        # MLA without a q rank (DeepSeek-V2-Lite's), 2 dense layers first
+        "deepseek_v2": (T.DeepseekV2Config(**SMALL, intermediate_size=512, moe_intermediate_size=64,
+                                           n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
+                                           first_k_dense_replace=2, q_lora_rank=None, kv_lora_rank=64,
+                                           qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=48), (0, 1)),
+        "qwen2_moe": (T.Qwen2MoeConfig(**SMALL, intermediate_size=640, moe_intermediate_size=64, num_experts=4,
+                                       num_experts_per_tok=2, shared_expert_intermediate_size=128,
+                                       mlp_only_layers=[1, 2]), (1, 2)),
+        "llama4_text": (T.Llama4TextConfig(**SMALL, intermediate_size=128, intermediate_size_mlp=768,
+                                           num_local_experts=4, num_experts_per_tok=1, num_key_value_heads=2,
+                                           head_dim=32, interleave_moe_layer_step=2), (0, 2)),
+        "minicpm3": (T.MiniCPM3Config(**SMALL, intermediate_size=512, q_lora_rank=96, kv_lora_rank=64,
+                                      qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32), ()),
+    }
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2", "qwen2_moe", "llama4_text", "minicpm3"])
+def test_dense_layers_and_mla_are_read_off_the_model(family, tmp_path):
+    cfg, dense = _configs()[family]
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    shape = model_shape(cfg, seq=128)
+    assert shape.dense_layers == dense
+    # every parameter priced: MLA's down and up projections, the dense layers' own width
+    real = sum(p.numel() for p in model.parameters())
+    assert abs(shape.params() - real) <= 0.01 * real, (shape, real)
+    if dense:
+        layer = model.model.layers[dense[0]]
+        mlp = sum(p.numel() for n, p in layer.named_parameters() if n.split(".")[0] in ("mlp", "feed_forward"))
+        assert shape.dense_ffn * 3 * shape.hidden == mlp
+    if family.startswith("deepseek") or family == "minicpm3":
+        assert shape.kv_lora_rank == 64 and shape.kv_heads == shape.heads
+        assert shape.head_dim == 32 + 16 and shape.value_head_dim == cfg.v_head_dim
+        assert shape.q_lora_rank == (cfg.q_lora_rank or 0)
+    # the same from config.json, and from the model itself
+    cfg.save_pretrained(tmp_path)
+    assert model_shape(str(tmp_path / "config.json"), seq=128).params() == shape.params()
+    assert model_shape(model, seq=128).dense_layers == dense
+
+
+def test_deepseek_v3_holds_671b_and_runs_37b_a_token():
+    """DeepSeek-V3's published sizes (arXiv 2412.19437: 671B parameters, 37B activated a token) from its
+    config alone: MLA, 3 dense layers, 256 experts of 2048 with one shared, top-8."""
+    shape = model_shape(transformers.DeepseekV3Config())
+    assert shape.dense_layers == (0, 1, 2) and shape.dense_ffn == 18432
+    assert shape.params() == pytest.approx(671e9, rel=0.005)
+    core = 4 * shape.seq * shape.heads * shape.core_head_dim          # Q K^T and P V: no weights
+    active = sum(len(idx) * (kind.layer_forward_flops(1) - core) / 2 for kind, idx in shape.layer_kinds())
+    active += 2 * shape.vocab * shape.hidden                           # the embedding and the LM head
+    assert active == pytest.approx(37e9, rel=0.02)
+    # tensor parallelism splits the up projections and the output, and replicates the two down ones
+    gemms = shape.attention_gemms()
+    replicated = [g for g in gemms if not g.split]
+    assert [(g.inner, g.outer) for g in replicated] == [(7168, 1536), (7168, 512 + 64)]
+    assert all(g.local(8) == (g.outer, g.inner) for g in replicated)
+    assert [g.local(8) for g in gemms if g.split] == [(128 * 192 / 8, 1536), (128 * 256 / 8, 512), (7168, 128 * 128 / 8)]
+
+
+def _mixed(dense_ffn: int) -> ModelShape:
+    """Four layers, the first two with a dense MLP of ``dense_ffn``, the last two with 8 experts."""
+    return ModelShape("mixed", 4, 1024, 16, 16, 256, 32000, 2048, gated=True, tied=False, experts=8,
+                      experts_per_token=2, dense_layers=(0, 1), dense_ffn=dense_ffn)
+
+
+def test_stage_mixes_follow_the_even_cuts():
+    shape = ModelShape("ds", 61, 7168, 128, 128, 2048, 129280, 4096, gated=True, experts=256, experts_per_token=8,
+                       dense_layers=(0, 1, 2), dense_ffn=18432)
+    # 16 stages of ceil(61 / 16) = 4: the first holds the 3 dense layers and 1 MoE, the last 1 MoE layer
+    assert set(shape.stage_mixes(16)) == {(4, 0), (1, 3), (1, 0)}
+    assert set(shape.stage_mixes(1)) == {(58, 3)}
+    assert set(_mixed(512).stage_mixes(2)) == {(0, 2), (2, 0)}
+    uniform = dataclasses.replace(shape, dense_layers=(), dense_ffn=0)
+    assert uniform.stage_mixes(16) == ((4,),)
+
+
+@pytest.mark.parametrize("heavy", ["dense", "moe"])
+def test_the_busiest_stage_paces_the_pipeline(heavy):
+    """At pp=2 the dense layers fill one stage and the MoE layers the other: the step is paced by the
+    heavier, so it is the step of a model made of that kind alone; a rank's memory is the larger
+    stage's; the model's flops count each layer as what it is."""
+    shape = _mixed(16384 if heavy == "dense" else 64)
+    moe, dense = (kind for kind, _ in shape.layer_kinds())
+    alone = {"dense": dataclasses.replace(dense, layers=4), "moe": dataclasses.replace(moe, layers=4)}
+    c = Candidate(dp=1, pp=2, tp=2, b=1, m=8)
+    got = predict(shape, DGX_H100, c)
+    like = predict(alone[heavy], DGX_H100, c)
+    assert got.breakdown.compute == pytest.approx(like.breakdown.compute, rel=1e-12)
+    assert got.breakdown.tp_comm == pytest.approx(like.breakdown.tp_comm, rel=1e-12)
+    assert _rank_params(shape, c) == max(_rank_params(a, c) for a in alone.values())
+    assert shape.model_flops(4096) == pytest.approx((alone["dense"].model_flops(4096) + alone["moe"].model_flops(4096)) / 2)
+    # one stage: every layer, each priced as what it is
+    whole = Candidate(dp=1, pp=1, tp=2, b=1, m=8)
+    assert predict(shape, DGX_H100, whole).breakdown.compute == pytest.approx(
+        (predict(alone["dense"], DGX_H100, whole).breakdown.compute
+         + predict(alone["moe"], DGX_H100, whole).breakdown.compute) / 2, rel=1e-9)
+
+
+def test_deepseek_v3_plans_from_its_config(tmp_path):
+    plans = plan(transformers.DeepseekV3Config(), 1024, "dgx-h100", 2048, seq=4096, top=3)
+    best = plans.best
+    assert best.fits and best.prediction.memory.total <= DGX_H100.hbm_bytes
+    text = plan_md(plans)
+    assert "multi-head latent attention (q rank 1536, kv rank 512" in text
+    assert "layers 0-2 a dense MLP 18432" in text
