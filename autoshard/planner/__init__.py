@@ -6,7 +6,8 @@
     pm = autoshard.parallelize(model, mesh, batch, plan=best)
 
 ``cluster.py`` holds the hardware as data (presets and ``Cluster.measure()``), ``shape.py`` the model's
-sizes, ``cost.py`` the step time and memory of one configuration, ``runtimes.py`` the runtimes a plan can
+sizes (read from a config and, by ``layer_reading.py``, off its layers: MLA, dense layers among MoE ones,
+hybrids' other token mixers, as ``blocks.py``'s records), ``cost.py`` the step time and memory of one configuration, ``runtimes.py`` the runtimes a plan can
 be priced for (autoshard's, Megatron's, DeepSpeed's), ``search.py`` the search and its
 reasons, ``report.py`` the table, ``plan.md`` and the plot, and ``cli.py`` ``python -m autoshard plan``.
 ``memory_ladder.py`` makes ``memory_limit`` a hard constraint for a mesh already chosen: the fastest of TP,

@@ -214,11 +214,18 @@ def activation_bytes_per_layer(shape: ModelShape, b: int, t: int, recompute: str
     ffn_scale = shape.active_ffn * (3 if shape.gated else 2) / (8 * h)     # 1 for GPT's 4h two-matrix MLP
     # q and the attention's output are q_width wide, k and v kv_width: 1 where both are h (GPT's); a
     # grouped-query layer keeps less, Gemma's wider heads (q 4096 on h 3072) more
-    attention_scale = (shape.q_width + shape.kv_width) / (2 * h)
-    per_token = 10 / (t if sp else 1) + 12 / t * (attention_scale + ffn_scale)
+    attention_scale = (shape.q_width + shape.kv_width) / (2 * h) if shape.attention else 0.0
+    # another token mixer keeps each matrix's input that is not the stream, and its scan's input (2 bytes
+    # an element, split t ways): an estimate from its sizes, as the paper has no term for it
+    mixer_scale = 0.0
+    if shape.mixer is not None:
+        kept = sum(g.inner for g in shape.mixer.gemms if g.inner != h) + shape.mixer.state_width
+        mixer_scale = kept / (6 * h)
+    # the stream's share (10 for GPT's two blocks: their norms' inputs, dropout masks and matmul inputs)
+    per_token = 5 * shape.blocks / (t if sp else 1) + 12 / t * (attention_scale + ffn_scale + mixer_scale)
     if sp and t > 1 and sp != "regather":
-        per_token += 4 * (1 - 1 / t)
-    if not flash and recompute != "selective":
+        per_token += 2 * shape.blocks * (1 - 1 / t)
+    if not flash and recompute != "selective" and shape.attention:
         per_token += 5 * a * s / (h * t)
     return s * b * h * per_token
 
@@ -367,25 +374,31 @@ def _busiest_stage(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: fl
 
 
 def _layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: float, flash: bool) -> LayerSeconds:
-    """One layer of ``shape`` (a uniform one: a kind of ``ModelShape.layer_kinds``) for one microbatch."""
+    """One layer of ``shape`` (a uniform one: a kind of ``ModelShape.layer_kinds``) for one microbatch:
+    its softmax attention, other token mixer and MLP, those it has (``ModelShape.blocks``)."""
     t, h, s = c.tp, shape.hidden, shape.seq
-    gemms = (sum(cluster.gemm_seconds(tokens, *g.local(t)) for g in shape.attention_gemms())
+    gemms = (sum(cluster.gemm_seconds(tokens, *g.local(t)) for g in shape.token_mixer_gemms())
              + _mlp_seconds(shape, cluster, tokens, t))
-    heads = c.b * shape.heads / t
-    core = cluster.gemm_seconds(s, s, shape.core_head_dim, count=2 * heads)     # Q K^T and P V
-    # memory-bound ops: two norms, two dropout + residual adds on the whole stream; the activation on
-    # the MLP's width and the attention's softmax (an s x s matrix per head unless flash keeps none)
-    stream = BF16 * tokens * h * 14
-    sharded = BF16 * tokens * (4 * shape.active_ffn * (2 if shape.gated else 1) + 6 * h) / t
-    softmax = 0 if flash else BF16 * 4 * c.b * shape.heads * s * s / t
-    core += _pointwise(cluster, softmax) + c.b * shape.heads * s * s / t / cluster.transcendental_rate
+    # memory-bound ops: a norm, a dropout and a residual add on the whole stream a block; the activation
+    # on the MLP's width; the attention's softmax (an s x s matrix per head unless flash keeps none); the
+    # other mixer's scan or convolution, a pass over its state a token (read, written, and again backward)
+    stream = BF16 * tokens * h * 7 * shape.blocks
+    sharded = BF16 * tokens * (4 * shape.active_ffn * (2 if shape.gated else 1) + (6 * h if shape.attention else 0)) / t
+    core = 0.0
+    if shape.attention:
+        heads = c.b * shape.heads / t
+        core = cluster.gemm_seconds(s, s, shape.core_head_dim, count=2 * heads)     # Q K^T and P V
+        softmax = 0 if flash else BF16 * 4 * c.b * shape.heads * s * s / t
+        core += _pointwise(cluster, softmax) + c.b * shape.heads * s * s / t / cluster.transcendental_rate
+    scan = _pointwise(cluster, BF16 * tokens * shape.mixer.state_width * 4 / t) if shape.mixer is not None else 0.0
     activation = tokens * shape.active_ffn / t / cluster.transcendental_rate
-    forward = _with_host(cluster, gemms + core + _pointwise(cluster, stream + sharded) + activation, OPS_PER_LAYER)
+    forward = _with_host(cluster, gemms + core + scan + _pointwise(cluster, stream + sharded) + activation,
+                         OPS_PER_LAYER * shape.blocks / 2)
     link = cluster.link(t, 1)
     one = ring_all_reduce_seconds(BF16 * tokens * h, t, link)
-    collectives = 4 * one + (2 * one if c.recompute == "full" else 0)
-    if c.sp == "regather" and c.recompute != "full":   # the two column-parallel inputs gathered again: an
-        collectives += one                             # all-gather each, half an all-reduce's traffic
+    collectives = 2 * shape.blocks * one + (shape.blocks * one if c.recompute == "full" else 0)
+    if c.sp == "regather" and c.recompute != "full":   # each column-parallel input gathered again: an
+        collectives += shape.blocks / 2 * one          # all-gather, half an all-reduce's traffic
     again = {"full": forward, "selective": core}.get(c.recompute, 0.0)
     return LayerSeconds(forward, again, collectives, gemms)
 

@@ -37,7 +37,7 @@ def plan_md(plans: Plans) -> str:
     shape, cluster = plans.shape, plans.cluster
     lines = [f"# Plan: {shape.name} on {plans.gpus} GPUs of {cluster.name}", "",
              f"Model: {shape.layers} layers, hidden {shape.hidden}, {_attention(shape)}, "
-             f"{_mlp(shape)}, vocabulary {shape.vocab}, sequence {shape.seq}; "
+             f"{_mlp(shape)}{_layers(shape)}; vocabulary {shape.vocab}, sequence {shape.seq}; "
              f"{shape.params() / 1e9:.2f} B parameters. Global batch {plans.global_batch} sequences.", "",
              f"Cluster: {cluster.gpus_per_node} GPUs a node, {cluster.peak_flops / 1e12:.0f} TFLOP/s peak, "
              f"{cluster.hbm_bytes / 1e9:.0f} GB at {cluster.hbm_bandwidth / 1e12:.2f} TB/s; inside a node "
@@ -127,6 +127,18 @@ def _attention(shape) -> str:
         return (f"{shape.heads} heads of multi-head latent attention ({q}kv rank {shape.kv_lora_rank}, "
                 f"q/k head {shape.head_dim}, v head {shape.value_head_dim})")
     return f"{shape.heads} heads ({shape.kv_heads} kv)"
+
+
+def _layers(shape) -> str:
+    """A hybrid's layout: which layers run the other mixer, which softmax attention, which no MLP."""
+    if shape.mixer is None:
+        return ""
+    every = tuple(range(shape.layers))
+    mixer = _spans(shape.mixer_layers or every)
+    attention = ("no layer" if not shape.attention else
+                 _spans(tuple(i for i in every if i not in set(shape.attention_free_layers))))
+    free = f"; no MLP on layers {_spans(shape.mlp_free_layers)}" if shape.mlp_free_layers else ""
+    return f"; a {shape.mixer.name} on layers {mixer}, softmax attention on {attention}{free}"
 
 
 def _mlp(shape) -> str:

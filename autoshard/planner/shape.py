@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from autoshard.planner import layer_reading
+from autoshard.planner.blocks import Gemm, Mixer
+
 log = logging.getLogger("autoshard")
 
 
@@ -42,11 +45,21 @@ class ModelShape:
     q_lora_rank: int = 0      # MLA: q's down projection (0: q projected from the stream directly)
     rope_head_dim: int = 0    # MLA: the rotary part of a q/k head (k's, one for all heads, rides the down projection)
     v_head_dim: int = 0       # MLA: a value head's width (0: head_dim)
+    attention_extra_width: int = 0   # a projection of the stream beside q, k and v (Qwen3-Next's output gate)
     # MoE models whose layers are not all alike: these layers' MLP is dense, ``dense_ffn`` wide (DeepSeek's
     # first k layers, Qwen2-MoE's mlp_only_layers, Llama 4's every other layer); the fields above describe
     # the others. Read off the model's layers (``model_shape``)
     dense_layers: tuple = ()
     dense_ffn: int = 0
+    # hybrids (Jamba, Bamba, Falcon-H1, Nemotron-H, Qwen3-Next, LFM2, RecurrentGemma): a token mixer other
+    # than softmax attention (``blocks.Mixer``) on ``mixer_layers`` (all, where empty); softmax attention on
+    # every layer but ``attention_free_layers`` (none at all where ``attention`` is False); an MLP on every
+    # layer but ``mlp_free_layers`` (each Nemotron-H block is one of the three). Read off the model's layers
+    mixer: Mixer | None = None
+    mixer_layers: tuple = ()
+    attention_free_layers: tuple = ()
+    mlp_free_layers: tuple = ()
+    attention: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -77,13 +90,26 @@ class ModelShape:
     def _attention_gemms(self) -> tuple:     # the planner asks for them for every candidate it prices
         h = self.hidden
         if not self.kv_lora_rank:
-            return (Gemm(h, self.q_width + 2 * self.kv_width, "outer"), Gemm(self.q_width, h, "inner"))
+            return (Gemm(h, self.q_width + 2 * self.kv_width + self.attention_extra_width, "outer"),
+                    Gemm(self.q_width, h, "inner"))
         q = ((Gemm(h, self.q_lora_rank, ""), Gemm(self.q_lora_rank, self.q_width, "outer")) if self.q_lora_rank
              else (Gemm(h, self.q_width, "outer"),))
         nope = self.head_dim - self.rope_head_dim
         return q + (Gemm(h, self.kv_lora_rank + self.rope_head_dim, ""),
                     Gemm(self.kv_lora_rank, self.heads * (nope + self.value_head_dim), "outer"),
                     Gemm(self.heads * self.value_head_dim, h, "inner"))
+
+    def token_mixer_gemms(self) -> tuple:
+        """The weight matrices that mix tokens in one layer of this (uniform) shape: softmax attention's,
+        and the other mixer's where it runs one."""
+        return ((self.attention_gemms() if self.attention else ())
+                + (self.mixer.gemms if self.mixer is not None else ()))
+
+    @property
+    def blocks(self) -> int:
+        """Residual blocks a layer of this (uniform) shape runs, each ending in a row-parallel matmul whose
+        output tp sums: attention, the other mixer and the MLP, those it has (2: GPT's)."""
+        return int(self.attention) + int(self.mixer is not None) + int(self.active_ffn > 0)
 
     @property
     def core_head_dim(self) -> float:
@@ -104,7 +130,9 @@ class ModelShape:
     @functools.cached_property
     def _layer_params(self) -> int:
         h = self.hidden
-        attention = sum(g.inner * g.outer for g in self.attention_gemms()) + self.q_lora_rank + self.kv_lora_rank
+        attention = sum(g.inner * g.outer for g in self.token_mixer_gemms())
+        attention += (self.q_lora_rank + self.kv_lora_rank if self.attention else 0) + (
+            self.mixer.other_params if self.mixer is not None else 0)
         width = self.experts * self.ffn + self.shared_ffn if self.experts > 1 else self.ffn
         mlp = (3 if self.gated else 2) * h * width + (h * self.experts if self.experts > 1 else 0)
         return attention + mlp + 4 * h
@@ -122,8 +150,8 @@ class ModelShape:
         projections, the attention scores and values, the MLP), as Megatron-LM's paper counts them. Of a
         model with dense layers among MoE ones, an MoE layer's."""
         s = self.seq
-        projections = 2 * tokens * sum(g.inner * g.outer for g in self.attention_gemms())
-        attention = 2 * 2 * tokens * s * self.heads * self.core_head_dim
+        projections = 2 * tokens * sum(g.inner * g.outer for g in self.token_mixer_gemms())
+        attention = 2 * 2 * tokens * s * self.heads * self.core_head_dim if self.attention else 0
         mlp = 2 * tokens * (3 if self.gated else 2) * self.hidden * self.active_ffn
         router = 2 * tokens * self.hidden * self.experts if self.experts > 1 else 0
         return projections + attention + mlp + router
@@ -131,13 +159,22 @@ class ModelShape:
     def layer_kinds(self) -> tuple:
         """``(shape, layer indices)`` per kind of layer: every layer, or the MoE layers and the dense ones
         (each kind a uniform ``ModelShape``, which the cost model prices one layer of)."""
-        return _layer_kinds(self) if self.dense_layers else ((self, range(self.layers)),)
+        return _layer_kinds(self) if self.layout else ((self, range(self.layers)),)
+
+    @property
+    def layout(self) -> bool:
+        """Whether its layers are of more than one kind."""
+        return bool(self.dense_layers or self.mixer_layers or self.attention_free_layers or self.mlp_free_layers)
+
+    def layer_kind(self, i: int) -> "ModelShape":
+        """The kind (a uniform shape) of layer ``i``."""
+        return next(kind for kind, idx in self.layer_kinds() if i in idx)
 
     def stage_mixes(self, p: int) -> tuple:
         """The layers of each kind (``layer_kinds``' order) pipeline stages hold when ``p`` stages cut the
         stack evenly (ceil(layers / p) a stage, the last ones the rest): the distinct mixes, largest
         first. One mix, ``(ceil(layers / p),)``, where the layers are all alike."""
-        return _stage_mixes(self, p) if self.dense_layers else ((-(-self.layers // p),),)
+        return _stage_mixes(self, p) if self.layout else ((-(-self.layers // p),),)
 
     def head_forward_flops(self, tokens: float) -> float:
         return 2 * tokens * self.hidden * self.vocab
@@ -149,26 +186,27 @@ class ModelShape:
         return 3 * (layers + self.head_forward_flops(tokens))
 
 
-@dataclass(frozen=True)
-class Gemm:
-    """One weight matrix of a layer, ``inner`` features in and ``outer`` out, and the dimension tensor
-    parallelism splits: "outer" (column-parallel), "inner" (row-parallel) or "" (replicated)."""
-    inner: int
-    outer: int
-    split: str
-
-    def local(self, t: int) -> tuple:
-        """``(outer, inner)`` on one of ``t`` tensor-parallel ranks."""
-        return (self.outer / t if self.split == "outer" else self.outer,
-                self.inner / t if self.split == "inner" else self.inner)
-
-
 @functools.lru_cache(maxsize=256)
 def _layer_kinds(shape: ModelShape) -> tuple:
-    dense = set(shape.dense_layers)
-    moe = dataclasses.replace(shape, dense_layers=(), dense_ffn=0)
-    mlp = dataclasses.replace(moe, experts=1, experts_per_token=1, shared_ffn=0, ffn=shape.dense_ffn)
-    return ((moe, tuple(i for i in range(shape.layers) if i not in dense)), (mlp, tuple(sorted(dense))))
+    """Layers grouped by (softmax attention, the other mixer, the MLP: the shape's own, dense, none)."""
+    dense, no_mlp = set(shape.dense_layers), set(shape.mlp_free_layers)
+    mixer, no_attention = set(shape.mixer_layers), set(shape.attention_free_layers)
+    groups = {}
+    for i in range(shape.layers):
+        key = (shape.attention and i not in no_attention,
+               shape.mixer is not None and (not mixer or i in mixer),
+               "none" if i in no_mlp else "dense" if i in dense else "own")
+        groups.setdefault(key, []).append(i)
+    uniform = dataclasses.replace(shape, dense_layers=(), dense_ffn=0, mixer_layers=(), attention_free_layers=(),
+                                  mlp_free_layers=())
+    out = []
+    for (attention, runs_mixer, mlp), idx in groups.items():
+        kind = dataclasses.replace(uniform, attention=attention, mixer=shape.mixer if runs_mixer else None)
+        if mlp != "own":
+            kind = dataclasses.replace(kind, experts=1, experts_per_token=1, shared_ffn=0,
+                                       ffn=shape.dense_ffn if mlp == "dense" else 0)
+        out.append((kind, tuple(idx)))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -210,20 +248,20 @@ def model_shape(model, seq: int | None = None, name: str | None = None) -> Model
                          "prices decoder-only stacks: pass a ModelShape(...) of its decoder instead")
     fields = _canonical(fields, config)
     # the user's model, else the config built on meta once: its layers are read, its parameters checked
-    whole = model if isinstance(model, torch.nn.Module) else _built(fields)
+    whole = model if isinstance(model, torch.nn.Module) else layer_reading.built(fields)
     if whole is not None and hasattr(getattr(whole, "config", None), "to_dict"):
         # what the fields leave out, the model was built with: its config class's defaults
         fields = _canonical({**whole.config.to_dict(), **{k: v for k, v in fields.items() if v is not None}}, whole.config)
-    layers = _decoder_layers(whole) if whole is not None else []
-    _uniform(fields, layers_read=bool(layers))
+    layers = layer_reading.decoder_layers(whole) if whole is not None else []
+    hybrid = _uniform(fields, layers_read=bool(layers))
+    if layers and not any(fields.get(k) for k in ("num_hidden_layers", "n_layer")):
+        fields = dict(fields, num_hidden_layers=len(layers))     # Nemotron-H's count is its block pattern's
     shape = _from_hf(fields, seq, name)
-    moe = [i for i, layer in enumerate(layers) if _has_experts(layer)]
-    # an MoE model's first layer may be dense (DeepSeek's): its MoE layers' structure is read off an MoE one
-    layer = layers[moe[0] if moe and shape.experts > 1 else 0] if layers else _first_layer(fields)
-    shape = _with_layer_structure(shape, layer)
-    shape = _with_attention_heads(shape, layer)
-    shape = _with_dense_layers(shape, layers, moe)
-    _check_parameters(shape, whole, layer)
+    if not layers:      # transformers cannot build the whole model: a one-layer copy's structure, if it can
+        one = layer_reading.first_layer(fields)
+        layers = [one] if one is not None else []
+    shape = layer_reading.with_layers(shape, layers, hybrid, whole)
+    _check_parameters(shape, whole, layers[0] if layers else None)
     return shape
 
 
@@ -251,9 +289,10 @@ def _check_parameters(shape: ModelShape, model, layer) -> None:
     where = ""
     if layer is not None:
         held = sum(p.numel() for p in layer.parameters())
-        if abs(shape.layer_params() / held - 1) > PARAMETER_TOLERANCE:
-            where = (f"each decoder layer holds {held:,} ({type(layer).__name__}), the shape prices "
-                     f"{shape.layer_params():,}: a field the planner does not read changes its layers")
+        priced = shape.layer_kind(0).layer_params()
+        if abs(priced / held - 1) > PARAMETER_TOLERANCE:
+            where = (f"its first decoder layer holds {held:,} ({type(layer).__name__}), the shape prices "
+                     f"{priced:,}: a field the planner does not read changes its layers")
         else:
             stack = {id(p) for m in model.modules() if type(m) is type(layer) for p in m.parameters()}
             outside = sorted(((p.numel(), n) for n, p in model.named_parameters() if id(p) not in stack),
@@ -263,116 +302,6 @@ def _check_parameters(shape: ModelShape, model, layer) -> None:
     raise ValueError(f"{shape.name}: the planner reads {shape.params():,} parameters off its config ({shape}), but "
                      f"the model has {real:,} ({shape.params() / real - 1:+.0%}){'; ' + where if where else ''}. "
                      "The planner prices a uniform decoder stack: pass a ModelShape(...) that describes this model")
-
-
-def _built(fields: dict):
-    """The model ``fields`` describes, built on ``meta`` (nothing allocated; the caller's RNG left where it
-    was), or None where transformers cannot build it."""
-    model_type = fields.get("model_type")
-    if not model_type:
-        return None
-    try:
-        from transformers import AutoModelForCausalLM, CONFIG_MAPPING
-        config = CONFIG_MAPPING[model_type](**{k: v for k, v in fields.items() if k != "model_type"})
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
-    except Exception:  # noqa: BLE001 - nothing to compare with
-        return None
-
-
-# what a decoder layer's parameter names say of its MLP: a gate projection (SwiGLU / GeGLU: three matrices),
-# and an MLP every token runs through beside an MoE layer's routed experts
-_GATES = ("gate_proj", "gate_up_proj", "w1", "w3", "gate_up")
-_SHARED = ("shared_expert", "shared_mlp", "shared_experts", "shared_experts_mlp")
-
-
-def _with_layer_structure(shape: ModelShape, layer) -> ModelShape:
-    """``shape`` with its MLP read off the model's first decoder layer (the model's own, or one built on
-    ``meta`` from a one-layer copy of its config: nothing allocated): whether it is gated (a ``gate_proj``,
-    whatever the activation is called: Gemma's ``gelu_pytorch_tanh`` GeGLU, BitNet's ``relu2``), and the
-    width of a shared expert the config names in no field ``_from_hf`` knows (Llama 4's, Hunyuan's, Ernie
-    4.5's). ``layer``: an MoE layer where the model has one (its dense layers are ``_with_dense_layers``').
-    Unchanged where there is no layer to read."""
-    if layer is None:
-        return shape
-    names = [n for n, _ in layer.named_parameters()]
-    mlp = [n for n in names if not n.startswith(_ATTENTION)]
-    gated = any(part in _GATES for n in mlp for part in n.split(".")) or shape.gated
-    shared = shape.shared_ffn
-    if shape.experts > 1 and not shared:
-        widths = [p.shape[0] for n, p in layer.named_parameters()
-                  if any(s in n.split(".") for s in _SHARED) and n.endswith(("up_proj.weight", "gate_proj.weight",
-                                                                               "w1.weight", "fc1.weight"))]
-        shared = int(widths[0]) if widths else 0
-    return dataclasses.replace(shape, gated=gated, shared_ffn=shared)
-
-
-def _first_layer(fields: dict):
-    """The first decoder layer of the model ``fields`` describes, built on ``meta`` with one layer (None
-    where transformers is missing, has no such model, or cannot build it that small)."""
-    layers = fields.get("num_hidden_layers")
-    # per-layer lists (layer_types, no_rope_layers, moe_layers) must match the one layer: the config's
-    # own defaults take their place
-    one = {k: v for k, v in fields.items() if k not in ("layer_types", "moe_layers", "mlp_only_layers")
-           and not (isinstance(v, (list, tuple)) and layers and len(v) == layers)}
-    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
-        if key in one:
-            one[key] = 1
-    model = _built(one)
-    return None if model is None else _decoder_layer(model)
-
-
-def _decoder_layer(model):
-    """The first of ``model``'s decoder layers (``_decoder_layers``), or None."""
-    layers = _decoder_layers(model)
-    return layers[0] if layers else None
-
-
-def _decoder_layers(model) -> list:
-    """``model``'s decoder layers in order: the modules of the class HF names first in
-    ``_no_split_modules`` that the model holds (its decoder layer), else the elements of a ``ModuleList``
-    called ``layers``, ``h`` or ``blocks``; empty if neither is found."""
-    blocks = set(getattr(model, "_no_split_modules", None) or ())
-    found = [module for module in model.modules() if type(module).__name__ in blocks]
-    if found:
-        return [module for module in found if type(module) is type(found[0])]
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) and name.split(".")[-1] in ("layers", "h", "blocks"):
-            return list(module)
-    return []
-
-
-def _has_experts(layer) -> bool:
-    """Whether a decoder layer's MLP is a mixture of experts: it holds parameters under an ``experts``."""
-    return any("experts" in name.split(".") for name, _ in layer.named_parameters())
-
-
-_ATTENTION = ("self_attn", "attention", "attn", "self_attention")
-
-
-def _with_attention_heads(shape: ModelShape, layer) -> ModelShape:
-    """``shape`` with a k/v head per q head where the config names kv heads its model does not use
-    (Persimmon's attention is multi-head whatever ``num_key_value_heads`` says): the layer's attention
-    matrices hold what multi-head attention would and not what the config's groups would."""
-    if layer is None or shape.kv_lora_rank or shape.kv_heads == shape.heads:
-        return shape
-    held = sum(p.numel() for n, p in layer.named_parameters() if p.dim() == 2 and n.startswith(_ATTENTION))
-    mha = dataclasses.replace(shape, kv_heads=shape.heads)
-    priced = [sum(g.inner * g.outer for g in s.attention_gemms()) for s in (shape, mha)]
-    return mha if held != priced[0] and held == priced[1] else shape
-
-
-def _with_dense_layers(shape: ModelShape, layers: list, moe: list) -> ModelShape:
-    """An MoE ``shape`` with the layers of ``layers`` whose MLP is dense, and that MLP's width (its
-    matrices' parameters over h per matrix), where some are (DeepSeek's first k, Qwen2-MoE's
-    mlp_only_layers, Llama 4's every other). Unchanged for a dense model, or where every layer is MoE."""
-    if shape.experts == 1 or not moe or len(layers) != shape.layers or len(moe) == len(layers):
-        return shape
-    dense = tuple(i for i in range(len(layers)) if i not in set(moe))
-    weights = sum(p.numel() for n, p in layers[dense[0]].named_parameters()
-                  if p.dim() == 2 and not n.startswith(_ATTENTION))
-    width = round(weights / ((3 if shape.gated else 2) * shape.hidden))
-    return dataclasses.replace(shape, dense_layers=dense, dense_ffn=width)
 
 
 def _canonical(fields: dict, config) -> dict:
@@ -434,12 +363,13 @@ def _first(fields: dict, *keys, default=None):
     return default
 
 
-def _uniform(fields: dict, layers_read: bool = False) -> None:
-    """Raise where the config's layers are what a ``ModelShape`` cannot hold: mixers other than softmax
-    attention (Mamba, linear attention, short convolutions), per-layer overrides or embeddings, or dense
-    and MoE layers mixed (DeepSeek's first dense layers, Qwen2-MoE's ``mlp_only_layers`` or sparse step,
-    Llama 4's interleave step) where the model's layers could not be read (``layers_read``: transformers
-    built it on meta), which is where ``model_shape`` finds which are dense. Priced as uniform layers the
+def _uniform(fields: dict, layers_read: bool = False) -> bool:
+    """Whether the config's layers mix tokens other than by softmax attention (Mamba, linear attention,
+    short convolutions, RG-LRU: a hybrid, which ``layer_reading`` reads layer by layer). Raise where they
+    are what a ``ModelShape`` cannot hold: per-layer overrides or embeddings, or hybrids and dense and MoE
+    layers mixed (DeepSeek's first dense layers, Qwen2-MoE's ``mlp_only_layers`` or sparse step, Llama
+    4's interleave step) where the model's layers could not be read (``layers_read``: transformers built
+    it on meta), which is where ``model_shape`` finds which layer is which. Priced as uniform layers the
     mixes came out 27% over their parameters (a small DeepSeek-V3) or 60% under."""
     why = []
     mixed = [k for k, dense in (("first_k_dense_replace", 0), ("mlp_only_layers", None), ("decoder_sparse_step", 1),
@@ -454,9 +384,10 @@ def _uniform(fields: dict, layers_read: bool = False) -> None:
                    "model to read which")
     mixers = sorted({str(t) for key in ("layer_types", "block_types", "layers_block_type")
                      for t in (fields.get(key) or ()) if not _softmax_attention(str(t))})
-    if mixers or any(k.startswith(("mamba_", "ssm_", "linear_conv", "conv_L")) for k in fields):
+    hybrid = bool(mixers) or any(k.startswith(("mamba_", "ssm_", "linear_conv", "conv_L")) for k in fields)
+    if hybrid and not layers_read:
         why.append("its layers include mixers other than softmax attention ("
-                   + (", ".join(mixers) or "state-space") + ")")
+                   + (", ".join(mixers) or "state-space") + "), and transformers cannot build the model to read them")
     ffn = fields.get("ffn_config")
     if isinstance(ffn, dict) and ffn.get(_NESTED_WIDTH) is None:
         why.append(f"its MLP's sizes are nested in ffn_config ({sorted(ffn)!r:.80}) without the width it reads "
@@ -470,6 +401,7 @@ def _uniform(fields: dict, layers_read: bool = False) -> None:
     if why:
         raise ValueError(f"the planner prices every layer alike, but {' and '.join(why)}: pass a "
                          "ModelShape(...) of a representative layer instead")
+    return hybrid
 
 
 def _softmax_attention(layer_type: str) -> bool:

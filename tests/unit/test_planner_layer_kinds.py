@@ -99,9 +99,11 @@ def _mixed(dense_ffn: int) -> ModelShape:
 def test_stage_mixes_follow_the_even_cuts():
     shape = ModelShape("ds", 61, 7168, 128, 128, 2048, 129280, 4096, gated=True, experts=256, experts_per_token=8,
                        dense_layers=(0, 1, 2), dense_ffn=18432)
-    # 16 stages of ceil(61 / 16) = 4: the first holds the 3 dense layers and 1 MoE, the last 1 MoE layer
-    assert set(shape.stage_mixes(16)) == {(4, 0), (1, 3), (1, 0)}
-    assert set(shape.stage_mixes(1)) == {(58, 3)}
+    # layer kinds in the order their first layers come: the dense ones, then the MoE ones. 16 stages of
+    # ceil(61 / 16) = 4: the first holds the 3 dense layers and 1 MoE, the last 1 MoE layer
+    assert [kind.experts for kind, _ in shape.layer_kinds()] == [1, 256]
+    assert set(shape.stage_mixes(16)) == {(0, 4), (3, 1), (0, 1)}
+    assert set(shape.stage_mixes(1)) == {(3, 58)}
     assert set(_mixed(512).stage_mixes(2)) == {(0, 2), (2, 0)}
     uniform = dataclasses.replace(shape, dense_layers=(), dense_ffn=0)
     assert uniform.stage_mixes(16) == ((4,),)
@@ -113,7 +115,7 @@ def test_the_busiest_stage_paces_the_pipeline(heavy):
     heavier, so it is the step of a model made of that kind alone; a rank's memory is the larger
     stage's; the model's flops count each layer as what it is."""
     shape = _mixed(16384 if heavy == "dense" else 64)
-    moe, dense = (kind for kind, _ in shape.layer_kinds())
+    dense, moe = sorted((kind for kind, _ in shape.layer_kinds()), key=lambda k: k.experts)
     alone = {"dense": dataclasses.replace(dense, layers=4), "moe": dataclasses.replace(moe, layers=4)}
     c = Candidate(dp=1, pp=2, tp=2, b=1, m=8)
     got = predict(shape, DGX_H100, c)
@@ -136,3 +138,71 @@ def test_deepseek_v3_plans_from_its_config(tmp_path):
     text = plan_md(plans)
     assert "multi-head latent attention (q rank 1536, kv rank 512" in text
     assert "layers 0-2 a dense MLP 18432" in text
+
+
+# hybrids, as the zoo builds them (tests/harness/zoo.py): which layers run the other mixer, which softmax
+# attention, which no MLP, and the class of the mixer read off the first one
+HYBRIDS = {
+    "jamba": ("JambaMambaMixer", (0,), (0,), ()),                    # Mamba + dense MLP, attention + MoE
+    "bamba": ("BambaMixer", (0,), (0,), ()),
+    "falcon_h1": ("FalconH1Mixer", (), (), ()),                       # every layer: Mamba beside attention
+    "nemotron_h": ("NemotronHMamba2Mixer", (0,), (0, 2, 3), (0, 1)),  # each block one of the four
+    "qwen3_next": ("Qwen3NextGatedDeltaNet", (0,), (0,), ()),
+    "lfm2": ("Lfm2ShortConv", (0,), (0,), ()),
+    "recurrent_gemma": ("RecurrentGemmaRecurrentBlock", (0, 2), (0, 2), ()),
+}
+
+
+@pytest.mark.parametrize("family", sorted(HYBRIDS))
+def test_hybrid_layers_are_read_layer_by_layer(family):
+    from tests.harness.zoo import ZOO
+    cls, kwargs, _ = ZOO[family]
+    config = getattr(transformers, cls, None)
+    if config is None:
+        pytest.skip(f"this transformers has no {cls}")
+    cfg = config(**kwargs)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    shape = model_shape(cfg)
+    name, mixer_layers, attention_free, mlp_free = HYBRIDS[family]
+    assert shape.mixer is not None and shape.mixer.name == name
+    assert (shape.mixer_layers, shape.attention_free_layers, shape.mlp_free_layers) == (mixer_layers, attention_free,
+                                                                                      mlp_free)
+    # every layer's parameters priced as what it holds (norms and biases aside: 4h a layer)
+    real = sum(p.numel() for p in model.parameters())
+    assert abs(shape.params() - real) <= 0.03 * real, (shape, real)
+    for i, layer in enumerate(model.model.layers):
+        held = sum(p.numel() for p in layer.parameters())
+        assert abs(shape.layer_kind(i).layer_params() - held) <= 4 * shape.hidden, (i, type(layer).__name__)
+
+
+def test_a_mixer_layer_has_no_attention_core():
+    """A Mamba layer's time is its projections and its scan: no attention core, so selective recompute
+    (which runs the attention core again) adds nothing to it; it saves no s x s matrix either."""
+    from tests.harness.zoo import ZOO
+    from autoshard.planner.cost import _layer_seconds, activation_bytes_per_layer
+    cls, kwargs, _ = ZOO["jamba"]
+    shape = model_shape(getattr(transformers, cls)(**kwargs), seq=2048)
+    mamba, attention = (shape.layer_kind(i) for i in (0, 1))
+    assert (mamba.attention, mamba.blocks, attention.blocks) == (False, 2, 2)
+    c = Candidate(dp=1, pp=1, tp=1, b=1, m=1, recompute="selective")
+    assert _layer_seconds(mamba, DGX_H100, c, 2048, False).recompute == 0
+    assert _layer_seconds(attention, DGX_H100, c, 2048, False).recompute > 0
+    kept = [activation_bytes_per_layer(k, 1, 1, "none", flash=False) for k in (mamba, attention)]
+    assert kept[0] < kept[1]        # the attention layer keeps its s x s softmax
+
+
+def test_hybrids_that_nest_layers_are_refused():
+    from tests.harness.zoo import ZOO
+    cls, kwargs, _ = ZOO["zamba2"]
+    with pytest.raises(ValueError, match=r"decoder layer 1 \(Zamba2HybridLayer\) runs other decoder layers"):
+        model_shape(getattr(transformers, cls)(**kwargs))
+
+
+def test_nemotron_h_plans_from_its_config():
+    """Nemotron-H's default config (Mamba-2, attention, MoE and MLP blocks) is planned end to end."""
+    cfg = transformers.NemotronHConfig()
+    plans = plan(cfg, 64, "dgx-h100", 256, seq=4096, top=3)
+    assert plans.best.fits
+    text = plan_md(plans)
+    assert "a NemotronHMamba2Mixer on layers" in text and "no MLP on layers" in text
