@@ -140,10 +140,13 @@ def with_layers(shape, layers: list, hybrid: bool, model=None):
     to run attention and an MLP, and only its MLP's structure is read)."""
     if not layers:
         return shape
-    if hybrid:
-        _refuse_shared(layers, model)
     prefix = model_prefix(model) if model is not None else ""
     split = [parts(layer, hybrid, prefix) for layer in layers]
+    if not hybrid and any(p.mixer for p in split):    # a mixer's class says so where the config does not
+        hybrid = True                                   # (LFM2's default config lists no layer types)
+        split = [parts(layer, hybrid, prefix) for layer in layers]
+    if hybrid:
+        _refuse_shared(layers, model)
     moe = [i for i, p in enumerate(split) if p.moe]
     with_mlp = [i for i, p in enumerate(split) if p.mlp]
     # the MLP's structure off an MoE layer where the model has one (DeepSeek's first layers are dense)
@@ -172,7 +175,9 @@ def with_layers(shape, layers: list, hybrid: bool, model=None):
             changes["attention"] = False
         elif set(attention) != everywhere:
             changes["attention_free_layers"] = tuple(sorted(everywhere - set(attention)))
-        if with_mlp and set(with_mlp) != everywhere:
+        if not with_mlp:                          # Mamba's blocks: a mixer and nothing else
+            changes.update(ffn=0, experts=1, experts_per_token=1, shared_ffn=0)
+        elif set(with_mlp) != everywhere:
             changes["mlp_free_layers"] = tuple(sorted(everywhere - set(with_mlp)))
     return dataclasses.replace(shape, **changes) if changes else shape
 
@@ -238,9 +243,10 @@ def _refuse_shared(layers: list, model) -> None:
     """A parameter two layers hold (Zamba's one transformer block, run at several depths) is one set of
     weights priced once per layer, and a layer that nests other decoder layers (Zamba2's hybrid layer: a
     Mamba layer and that shared block) is not one kind of layer: raise instead."""
-    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    kinds = {type(layer).__name__ for layer in layers} | {
+        name for name in getattr(model, "_no_split_modules", None) or () if name.endswith(("Layer", "Block"))}
     for i, layer in enumerate(layers):
-        nested = sorted({type(m).__name__ for m in layer.modules() if m is not layer and type(m).__name__ in blocks})
+        nested = sorted({type(m).__name__ for m in layer.modules() if m is not layer and type(m).__name__ in kinds})
         if nested:
             raise ValueError(f"decoder layer {i} ({type(layer).__name__}) runs other decoder layers ({', '.join(nested)}), "
                              "as Zamba's hybrid layers run a shared transformer block: the planner prices one mixer and "

@@ -151,7 +151,7 @@ def candidates(shape: ModelShape, gpus: int, global_batch: int, max_b: int = 16,
     for t in _divisors(gpus):
         if max_tp is not None and t > max_tp:
             continue
-        if shape.heads % t or shape.hidden % t or (shape.kv_heads % t and t % shape.kv_heads):
+        if shape.hidden % t or (shape.attention and (shape.heads % t or (shape.kv_heads % t and t % shape.kv_heads))):
             continue
         for p in _divisors(gpus // t):
             if p > shape.layers:

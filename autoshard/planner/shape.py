@@ -254,6 +254,9 @@ def model_shape(model, seq: int | None = None, name: str | None = None) -> Model
         fields = _canonical({**whole.config.to_dict(), **{k: v for k, v in fields.items() if v is not None}}, whole.config)
     layers = layer_reading.decoder_layers(whole) if whole is not None else []
     hybrid = _uniform(fields, layers_read=bool(layers))
+    if (layers and not any(fields.get(k) for k in ("num_attention_heads", "n_head"))
+            and not any(layer_reading.parts(layer).attention for layer in layers)):
+        fields = dict(fields, num_attention_heads=1)     # a state-space model (Mamba): no attention to size
     if layers and not any(fields.get(k) for k in ("num_hidden_layers", "n_layer")):
         fields = dict(fields, num_hidden_layers=len(layers))     # Nemotron-H's count is its block pattern's
     shape = _from_hf(fields, seq, name)

@@ -206,3 +206,17 @@ def test_nemotron_h_plans_from_its_config():
     assert plans.best.fits
     text = plan_md(plans)
     assert "a NemotronHMamba2Mixer on layers" in text and "no MLP on layers" in text
+
+
+def test_a_state_space_model_has_no_attention_and_no_mlp():
+    """Mamba-2's blocks are a mixer and a norm: no attention heads to size or split, no MLP."""
+    cfg = transformers.Mamba2Config(vocab_size=512, hidden_size=256, num_hidden_layers=4, num_heads=16, head_dim=32,
+                                    expand=2, n_groups=1, state_size=16)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    shape = model_shape(cfg, seq=1024)
+    assert (shape.attention, shape.ffn, shape.blocks, shape.mixer.name) == (False, 0, 1, "Mamba2Mixer")
+    real = sum(p.numel() for p in model.parameters())
+    assert abs(shape.params() - real) <= 0.03 * real
+    assert shape.layer_forward_flops(1) == 2 * sum(g.inner * g.outer for g in shape.mixer.gemms)
+    assert plan(shape, 8, "dgx-h100", 64, top=1).best.fits
