@@ -354,8 +354,8 @@ class LayerSeconds:
 def _busiest_stage(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: float, flash: bool,
                    overlap: int) -> LayerSeconds:
     """The layers of the pipeline stage that takes longest a microbatch, when ``c.pp`` stages cut the
-    stack evenly: ceil(layers / pp) alike layers, or the costliest mix of an MoE model's MoE and dense
-    layers (``ModelShape.stage_mixes``). Its tp collectives are the exposed part: each layer's beside
+    stack evenly: ceil(layers / pp) alike layers, or the costliest mix of the model's layer kinds (an MoE
+    model's dense layers, a hybrid's mixer layers: ``ModelShape.stage_mixes``). Its tp collectives are the exposed part: each layer's beside
     ``overlap`` times its weight GEMMs (0: the runtime does not pipeline them)."""
     kinds = []
     for kind, _ in shape.layer_kinds():
@@ -422,7 +422,7 @@ def _mlp_seconds(shape: ModelShape, cluster: Cluster, tokens: float, t: int) -> 
 def _rank_params(shape: ModelShape, c: Candidate) -> float:
     """Parameters the most loaded rank holds: its layers' shards and, on the first or last stage, the
     embedding's (and the head's) vocabulary shard."""
-    if shape.dense_layers:
+    if shape.layout:
         kinds = [kind.layer_params() for kind, _ in shape.layer_kinds()]
         layers = max(sum(n * k for n, k in zip(mix, kinds)) for mix in shape.stage_mixes(c.pp)) / c.tp
     else:

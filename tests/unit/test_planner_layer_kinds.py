@@ -174,6 +174,11 @@ def test_hybrid_layers_are_read_layer_by_layer(family):
     for i, layer in enumerate(model.model.layers):
         held = sum(p.numel() for p in layer.parameters())
         assert abs(shape.layer_kind(i).layer_params() - held) <= 4 * shape.hidden, (i, type(layer).__name__)
+    # a rank holds its own stage's layers, each as what it is: one stage, all of them
+    one = Candidate(dp=1, pp=1, tp=1, b=1, m=1)
+    ends = _rank_params(dataclasses.replace(shape, layers=0, dense_layers=(), mixer_layers=(),
+                                            attention_free_layers=(), mlp_free_layers=()), one)
+    assert _rank_params(shape, one) - ends == sum(len(idx) * k.layer_params() for k, idx in shape.layer_kinds())
 
 
 def test_a_mixer_layer_has_no_attention_core():
