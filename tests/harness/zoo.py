@@ -125,7 +125,24 @@ ZOO = {
     "recurrent_gemma": ("RecurrentGemmaConfig", dict(vocab_size=128, hidden_size=64, intermediate_size=128,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, lru_width=64,
         attention_window_size=4, block_types=["recurrent", "attention"]), "sdpa"),
+    # a sweep of transformers 5.24's causal LMs no test had covered: linear attention with MLA (Kimi
+    # Linear), lightning attention (MiniMax), pure state-space and recurrent models (Mamba-2,
+    # Falcon-Mamba, xLSTM), more hybrids (Granite 4, OLMo hybrid) and MoE (Cohere 2 MoE, AFMoE). RWKV
+    # runs exact at tp=2 but its scan writes into views, which a pipeline cut refuses (PipelineSplitError)
+    "kimi_linear": ("KimiLinearConfig", dict(COMMON, pad_token_id=0, num_key_value_heads=4, kv_lora_rank=16,
+        q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16), "sdpa"),
+    "minimax": ("MiniMaxConfig", dict(COMMON, head_dim=16, pad_token_id=0), "sdpa"),
+    "mamba2": ("Mamba2Config", dict(COMMON, head_dim=16, pad_token_id=0, num_heads=8, expand=2, n_groups=1), "eager"),
+    "falcon_mamba": ("FalconMambaConfig", dict(COMMON, head_dim=16, pad_token_id=0), "eager"),
+    "xlstm": ("xLSTMConfig", dict(COMMON, head_dim=16, pad_token_id=0), "eager"),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", dict(COMMON, head_dim=16, pad_token_id=0), "sdpa"),
+    "olmo_hybrid": ("OlmoHybridConfig", dict(COMMON, head_dim=16, pad_token_id=0), "sdpa"),
+    "cohere2_moe": ("Cohere2MoeConfig", dict(COMMON, head_dim=16, pad_token_id=0), "sdpa"),
+    "afmoe": ("AfmoeConfig", dict(COMMON, head_dim=16, pad_token_id=0), "sdpa"),
 }
+# no softmax attention in any layer (Granite 4's and Kimi Linear's two tiny layers are both linear
+# attention): selective recompute has nothing to run again, and says so
+ATTENTION_FREE = ("mamba2", "falcon_mamba", "xlstm", "granitemoehybrid", "kimi_linear")
 
 
 def build_zoo(name: str):
