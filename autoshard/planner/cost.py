@@ -480,8 +480,12 @@ def stage_memory(shape: ModelShape, c: Candidate, rank: int, flash: bool = True,
     params = _rank_params(shape, c)
     optimizer = params * 3 * FP32 / (c.dp if c.zero else 1)
     scale = activation_bytes / BF16
-    kinds = [kind for kind, _ in shape.layer_kinds()]      # an MoE model's dense layers may keep more
-    per_layer = max([activation_bytes_per_layer(k, c.b, c.tp, c.recompute, flash, c.sp) for k in kinds]) * scale
+    kinds = [kind for kind, _ in shape.layer_kinds()]
+    per_kind = [activation_bytes_per_layer(k, c.b, c.tp, c.recompute, flash, c.sp) for k in kinds]
+    # a layer's bytes, the mean over the stage that keeps the most (a hybrid's Mamba layers keep no
+    # softmax; an MoE model's dense layers may keep more)
+    per_layer = (max(sum(n * b for n, b in zip(mix, per_kind)) / sum(mix) for mix in shape.stage_mixes(c.pp))
+                 if shape.layout else per_kind[0]) * scale
     chunk_layers = shape.layers / (c.pp * c.v)
     microbatches = {"gpipe": c.m * c.v, "zb-h1": in_flight(c.pp, c.m, c.v, 0),
                     "zb-h2": min(c.m, 2 * c.pp - 1)}.get(schedule, in_flight(c.pp, c.m, c.v, rank))

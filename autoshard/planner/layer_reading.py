@@ -208,7 +208,12 @@ def _with_attention_heads(shape, attention: list):
 
     def priced(s):
         return sum(g.inner * g.outer for g in s.attention_gemms())
-    if shape.kv_heads != shape.heads:
+    # a named k projection says the kv heads outright (an output gate as wide as q adds exactly what
+    # multi-head k and v would where kv = heads / 2: Qwen3-Next's)
+    k = [m.k_proj for m in attention if isinstance(getattr(m, "k_proj", None), torch.nn.Linear)]
+    if k and k[0].out_features % shape.head_dim == 0:
+        shape = dataclasses.replace(shape, kv_heads=k[0].out_features // shape.head_dim)
+    elif shape.kv_heads != shape.heads:
         mha = dataclasses.replace(shape, kv_heads=shape.heads)
         if held != priced(shape) and held == priced(mha):
             return mha

@@ -168,7 +168,21 @@ class ModelShape:
 
     def layer_kind(self, i: int) -> "ModelShape":
         """The kind (a uniform shape) of layer ``i``."""
+        if not 0 <= i < self.layers:
+            raise IndexError(f"layer {i} of a {self.layers}-layer model")
         return next(kind for kind, idx in self.layer_kinds() if i in idx)
+
+    def __post_init__(self):
+        # the layouts as sorted tuples (the shape is hashed: the cost model caches per shape), in range
+        for name in ("dense_layers", "mixer_layers", "attention_free_layers", "mlp_free_layers"):
+            given = tuple(sorted(set(getattr(self, name))))
+            if any(not 0 <= i < self.layers for i in given):
+                raise ValueError(f"ModelShape({name}={given}): layer indices run 0 to {self.layers - 1}")
+            object.__setattr__(self, name, given)
+        if self.dense_layers and not self.dense_ffn:
+            raise ValueError("ModelShape(dense_layers=...) needs dense_ffn, their MLP's width")
+        if self.mixer_layers and self.mixer is None:
+            raise ValueError("ModelShape(mixer_layers=...) needs mixer=blocks.Mixer(...), what those layers run")
 
     def stage_mixes(self, p: int) -> tuple:
         """The layers of each kind (``layer_kinds``' order) pipeline stages hold when ``p`` stages cut the

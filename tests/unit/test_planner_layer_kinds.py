@@ -165,6 +165,9 @@ def test_hybrid_layers_are_read_layer_by_layer(family):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     shape = model_shape(cfg)
     name, mixer_layers, attention_free, mlp_free = HYBRIDS[family]
+    assert shape.kv_heads == (getattr(cfg, "num_key_value_heads", None) or shape.heads)    # the config's groups
+    if family == "qwen3_next":                  # its output gate, as wide as q, beside q, k and v
+        assert shape.attention_extra_width == shape.q_width
     assert shape.mixer is not None and shape.mixer.name == name
     assert (shape.mixer_layers, shape.attention_free_layers, shape.mlp_free_layers) == (mixer_layers, attention_free,
                                                                                       mlp_free)
@@ -193,8 +196,11 @@ def test_a_mixer_layer_has_no_attention_core():
     c = Candidate(dp=1, pp=1, tp=1, b=1, m=1, recompute="selective")
     assert _layer_seconds(mamba, DGX_H100, c, 2048, False).recompute == 0
     assert _layer_seconds(attention, DGX_H100, c, 2048, False).recompute > 0
-    kept = [activation_bytes_per_layer(k, 1, 1, "none", flash=False) for k in (mamba, attention)]
-    assert kept[0] < kept[1]        # the attention layer keeps its s x s softmax
+    # only the attention layer keeps an s x s softmax where the attention is not flash: 5 a s / h of s b h
+    mamba_kept, attention_kept = ([activation_bytes_per_layer(k, 1, 1, "none", flash=f) for f in (False, True)]
+                                  for k in (mamba, attention))
+    assert mamba_kept[0] == mamba_kept[1]
+    assert attention_kept[0] - attention_kept[1] == pytest.approx(5 * shape.heads * 2048 / shape.hidden * 2048 * shape.hidden)
 
 
 def test_hybrids_that_nest_layers_are_refused():
