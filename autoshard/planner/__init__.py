@@ -14,8 +14,8 @@ reasons, ``report.py`` the table, ``plan.md`` and the plot, and ``cli.py`` ``pyt
 + SP, + selective recompute, full recompute that fits (what ``parallelize(memory_limit=...)`` applies).
 """
 from autoshard.planner.cluster import DGX_A100, DGX_H100, PRESETS, Cluster, Link, cluster_named
-from autoshard.planner.cost import AUTOSHARD, Breakdown, Candidate, Memory, Prediction, Runtime, predict
-from autoshard.planner.runtimes import RUNTIMES, runtime_named
+from autoshard.planner.cost import Breakdown, Candidate, Memory, Prediction, predict
+from autoshard.planner.runtimes import AUTOSHARD, RUNTIMES, Runtime, runtime_named
 from autoshard.planner.search import Plan, Plans, candidates, plan
 from autoshard.planner.shape import ModelShape, model_shape
 

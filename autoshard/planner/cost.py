@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from autoshard.ir.options import boundary_transfer, scatter_gather_pays
 
 from autoshard.planner.cluster import Cluster
+from autoshard.planner.runtimes import AUTOSHARD, Runtime
 from autoshard.planner.shape import ModelShape
 
 BF16, FP32 = 2, 4
@@ -55,34 +56,6 @@ TENSORS_PER_LAYER = 12    # parameter tensors of a layer (weights, biases, norms
 NORM_TENSORS = 6          # under SP, a layer's norm weights and biases and its two row-parallel biases meet
                           # the sequence shard: their tp shares are summed once a step
 OPS_PER_TENSOR = 15       # a foreach AdamW's ops per parameter tensor (on a host that pays per op)
-
-
-@dataclass(frozen=True)
-class Runtime:
-    """What the planner assumes of the program that runs a plan, beyond the plan: autoshard's own
-    (``AUTOSHARD``), unless the planner is set against a run another runtime measured
-    (``benchmarks/planner.py`` names each published run's)."""
-    name: str = "autoshard"
-    dp_overlap: bool = True     # the dp gradients are reduced beside the last backward (autoshard's buckets)
-    grad_bytes: int = FP32      # bytes a gradient element crosses the dp links in
-    # under ZeRO-1, each gradient is reduce-scattered to the dp rank that owns its optimizer state and the
-    # updated parameters all-gathered: Megatron's distributed optimizer, DeepSpeed's ZeRO. autoshard's
-    # ZeRO-1 all-reduces the gradients and each owner broadcasts its share (``runtime/zero.py``)
-    sharded_grads: bool = False
-    # ZeRO-1's parameter all-gather runs beside the next step's first forward (Megatron's
-    # --overlap-param-gather); else it is exposed after the optimizer step
-    param_gather_overlap: bool = False
-    # under SP, the layers' tp collectives are cut in chunks and pipelined under the GEMMs beside them
-    # (Megatron Core's --tp-comm-overlap, Transformer Engine's userbuffers, which needs SP); else they
-    # are priced exposed, as Megatron-LM's of 2021-22 are. autoshard's column-parallel matmul does run
-    # its input gradient's all-reduce beside dW (``ColumnParallelMatmul``): the planner does not credit it
-    tp_overlap: bool = False
-    # the interleaved schedule's pipeline sends and receives run beside the next chunk's compute (Megatron
-    # Core's overlap_p2p_comm, on by default with virtual stages); else each is exposed
-    p2p_overlap: bool = False
-
-
-AUTOSHARD = Runtime()
 
 
 @dataclass(frozen=True)
@@ -422,11 +395,8 @@ def _mlp_seconds(shape: ModelShape, cluster: Cluster, tokens: float, t: int) -> 
 def _rank_params(shape: ModelShape, c: Candidate) -> float:
     """Parameters the most loaded rank holds: its layers' shards and, on the first or last stage, the
     embedding's (and the head's) vocabulary shard."""
-    if shape.layout:
-        kinds = [kind.layer_params() for kind, _ in shape.layer_kinds()]
-        layers = max(sum(n * k for n, k in zip(mix, kinds)) for mix in shape.stage_mixes(c.pp)) / c.tp
-    else:
-        layers = -(-shape.layers // c.pp) * shape.layer_params() / c.tp
+    kinds = [kind.layer_params() for kind, _ in shape.layer_kinds()]
+    layers = max(sum(n * k for n, k in zip(mix, kinds)) for mix in shape.stage_mixes(c.pp)) / c.tp
     vocab = shape.vocab * shape.hidden / c.tp
     ends = vocab + shape.positions * shape.hidden if c.pp == 1 or shape.tied else vocab
     if c.pp == 1 and not shape.tied:

@@ -1,4 +1,4 @@
-"""The runtimes a plan can be priced for, by name: autoshard's own, and the ones that measured the
+"""The runtimes a plan can be priced for, as ``Runtime`` records, by name: autoshard's own, and the ones that measured the
 published runs ``benchmarks/planner.py`` checks the planner against. A ``Runtime`` says only what the
 planner prices beyond the plan (``planner/cost.py``): whether the dp reduction overlaps backward and in
 what dtype it travels, whether ZeRO-1 reduce-scatters, whether the parameter gather overlaps the next
@@ -12,7 +12,36 @@ plans for a Megatron Core run with all its overlaps on: the configuration to han
 """
 from __future__ import annotations
 
-from autoshard.planner.cost import AUTOSHARD, Runtime
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the planner assumes of the program that runs a plan, beyond the plan: autoshard's own
+    (``AUTOSHARD``), unless the planner is set against a run another runtime measured
+    (``benchmarks/planner.py`` names each published run's)."""
+    name: str = "autoshard"
+    dp_overlap: bool = True     # the dp gradients are reduced beside the last backward (autoshard's buckets)
+    grad_bytes: int = 4         # bytes a gradient element crosses the dp links in (fp32)
+    # under ZeRO-1, each gradient is reduce-scattered to the dp rank that owns its optimizer state and the
+    # updated parameters all-gathered: Megatron's distributed optimizer, DeepSpeed's ZeRO. autoshard's
+    # ZeRO-1 all-reduces the gradients and each owner broadcasts its share (``runtime/zero.py``)
+    sharded_grads: bool = False
+    # ZeRO-1's parameter all-gather runs beside the next step's first forward (Megatron's
+    # --overlap-param-gather); else it is exposed after the optimizer step
+    param_gather_overlap: bool = False
+    # under SP, the layers' tp collectives are cut in chunks and pipelined under the GEMMs beside them
+    # (Megatron Core's --tp-comm-overlap, Transformer Engine's userbuffers, which needs SP); else they
+    # are priced exposed, as Megatron-LM's of 2021-22 are. autoshard's column-parallel matmul does run
+    # its input gradient's all-reduce beside dW (``ColumnParallelMatmul``): the planner does not credit it
+    tp_overlap: bool = False
+    # the interleaved schedule's pipeline sends and receives run beside the next chunk's compute (Megatron
+    # Core's overlap_p2p_comm, on by default with virtual stages); else each is exposed
+    p2p_overlap: bool = False
+
+
+AUTOSHARD = Runtime()
+
 
 # Megatron-LM of 2021-22: ``train_step`` reduced the dp gradients after the whole forward-backward
 # (``optimizer.reduce_model_grads``; Megatron Core's overlapped reduction came later), in the training dtype

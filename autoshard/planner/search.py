@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 from autoshard.planner.cluster import Cluster, cluster_named
-from autoshard.planner.cost import AUTOSHARD, Candidate, Prediction, Runtime, predict
-from autoshard.planner.runtimes import runtime_named
+from autoshard.planner.cost import Candidate, Prediction, predict
+from autoshard.planner.runtimes import AUTOSHARD, Runtime, runtime_named
 from autoshard.planner.shape import ModelShape, model_shape
 
 GiB = 2**30
@@ -209,7 +209,7 @@ def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int
     plan may hold, a hard constraint where it is below the cluster's usable memory (which it replaces);
     SP and selective or full recompute are among the candidates, so the fastest that fits uses them only
     as far as the limit needs. ``progress(done, total)`` is called while pricing. ``runtime``: the program
-    that will run the plan, autoshard's unless the plan is for another (a ``planner.cost.Runtime``, or a
+    that will run the plan, autoshard's unless the plan is for another (a ``planner.Runtime``, or a
     name of ``planner.runtimes.RUNTIMES``)."""
     start = time.perf_counter()
     gpus, global_batch, top = (_positive(n, v) for n, v in (("gpus", gpus), ("global_batch", global_batch), ("top", top)))
