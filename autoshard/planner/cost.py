@@ -393,10 +393,10 @@ def _mlp_seconds(shape: ModelShape, cluster: Cluster, tokens: float, t: int) -> 
 
 
 def _rank_params(shape: ModelShape, c: Candidate) -> float:
-    """Parameters the most loaded rank holds: its layers' shards and, on the first or last stage, the
-    embedding's (and the head's) vocabulary shard."""
-    kinds = [kind.layer_params() for kind, _ in shape.layer_kinds()]
-    layers = max(sum(n * k for n, k in zip(mix, kinds)) for mix in shape.stage_mixes(c.pp)) / c.tp
+    """Parameters the most loaded rank holds: its layers' shards (what tp replicates, whole) and, on the
+    first or last stage, the embedding's (and the head's) vocabulary shard."""
+    kinds = [kind.layer_rank_params(c.tp) for kind, _ in shape.layer_kinds()]
+    layers = max(sum(n * k for n, k in zip(mix, kinds)) for mix in shape.stage_mixes(c.pp))
     vocab = shape.vocab * shape.hidden / c.tp
     ends = vocab + shape.positions * shape.hidden if c.pp == 1 or shape.tied else vocab
     if c.pp == 1 and not shape.tied:

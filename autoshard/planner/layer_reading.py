@@ -171,6 +171,9 @@ def with_layers(shape, layers: list, hybrid: bool, model=None):
         if mixer_layers:
             changes["mixer"] = _mixer(split[mixer_layers[0]].mixer, shape.hidden)
             changes["mixer_layers"] = () if set(mixer_layers) == everywhere else mixer_layers
+            # a layer holding both runs them side by side (Falcon-H1's and Hymba's: no hybrid stacks the
+            # two in one layer one after the other)
+            changes["parallel_mixer"] = bool(set(mixer_layers) & set(attention))
         if not attention:
             changes["attention"] = False
         elif set(attention) != everywhere:

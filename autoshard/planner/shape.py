@@ -60,6 +60,9 @@ class ModelShape:
     attention_free_layers: tuple = ()
     mlp_free_layers: tuple = ()
     attention: bool = True
+    # a layer that runs both softmax attention and the mixer runs them side by side on one residual branch
+    # (Falcon-H1, Hymba): their row-parallel outputs add before the branch's one all-reduce
+    parallel_mixer: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -108,8 +111,10 @@ class ModelShape:
     @property
     def blocks(self) -> int:
         """Residual blocks a layer of this (uniform) shape runs, each ending in a row-parallel matmul whose
-        output tp sums: attention, the other mixer and the MLP, those it has (2: GPT's)."""
-        return int(self.attention) + int(self.mixer is not None) + int(self.active_ffn > 0)
+        output tp sums: attention, the other mixer and the MLP, those it has (2: GPT's); attention and the
+        mixer one block where they run side by side (``parallel_mixer``)."""
+        mixers = int(self.attention) + int(self.mixer is not None)
+        return (min(mixers, 1) if self.parallel_mixer else mixers) + int(self.active_ffn > 0)
 
     @property
     def core_head_dim(self) -> float:
@@ -133,9 +138,23 @@ class ModelShape:
         attention = sum(g.inner * g.outer for g in self.token_mixer_gemms())
         attention += (self.q_lora_rank + self.kv_lora_rank if self.attention else 0) + (
             self.mixer.other_params if self.mixer is not None else 0)
-        width = self.experts * self.ffn + self.shared_ffn if self.experts > 1 else self.ffn
-        mlp = (3 if self.gated else 2) * h * width + (h * self.experts if self.experts > 1 else 0)
+        mlp = self._mlp_matrices() + (h * self.experts if self.experts > 1 else 0)
         return attention + mlp + 4 * h
+
+    def layer_rank_params(self, t: int) -> float:
+        """Weights of one layer that one of ``t`` tensor-parallel ranks holds: the matrices tp splits, a
+        t-th; those it replicates (MLA's down projections, a router, norms and biases), whole."""
+        return self._layer_rank_params(t)
+
+    @functools.lru_cache(maxsize=64)
+    def _layer_rank_params(self, t: int) -> float:
+        split = sum(g.inner * g.outer for g in self.token_mixer_gemms() if g.split)
+        replicated = self.layer_params() - split - self._mlp_matrices()
+        return (split + self._mlp_matrices()) / t + replicated
+
+    def _mlp_matrices(self) -> int:
+        width = self.experts * self.ffn + self.shared_ffn if self.experts > 1 else self.ffn
+        return (3 if self.gated else 2) * self.hidden * width
 
     def embedding_params(self) -> int:
         return self.vocab * self.hidden + self.positions * self.hidden

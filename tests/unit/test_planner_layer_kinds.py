@@ -88,6 +88,11 @@ def test_deepseek_v3_holds_671b_and_runs_37b_a_token():
     assert [(g.inner, g.outer) for g in replicated] == [(7168, 1536), (7168, 512 + 64)]
     assert all(g.local(8) == (g.outer, g.inner) for g in replicated)
     assert [g.local(8) for g in gemms if g.split] == [(128 * 192 / 8, 1536), (128 * 256 / 8, 512), (7168, 128 * 128 / 8)]
+    # and a tp rank holds those two (and the router, the norms) whole, the rest a t-th
+    moe = shape.layer_kind(3)
+    whole = 7168 * 1536 + 7168 * 576 + 7168 * 256 + 1536 + 512 + 4 * 7168
+    assert moe.layer_rank_params(8) == pytest.approx((moe.layer_params() - whole) / 8 + whole, rel=1e-12)
+    assert moe.layer_rank_params(1) == moe.layer_params()
 
 
 def _mixed(dense_ffn: int) -> ModelShape:
@@ -182,6 +187,23 @@ def test_hybrid_layers_are_read_layer_by_layer(family):
     ends = _rank_params(dataclasses.replace(shape, layers=0, dense_layers=(), mixer_layers=(),
                                             attention_free_layers=(), mlp_free_layers=()), one)
     assert _rank_params(shape, one) - ends == sum(len(idx) * k.layer_params() for k, idx in shape.layer_kinds())
+
+
+def test_a_mixer_beside_attention_shares_its_all_reduce():
+    """Falcon-H1 runs Mamba and attention side by side on one residual branch: their row-parallel outputs
+    add before one all-reduce, so its layer is two blocks (the mixers, the MLP), not three; Jamba's
+    layers run one or the other."""
+    from tests.harness.zoo import ZOO
+    shapes = {f: model_shape(getattr(transformers, ZOO[f][0])(**ZOO[f][1])) for f in ("falcon_h1", "jamba")}
+    falcon, jamba = shapes["falcon_h1"], shapes["jamba"]
+    assert falcon.parallel_mixer and not jamba.parallel_mixer
+    assert [k.blocks for k, _ in falcon.layer_kinds()] == [2]
+    assert [k.blocks for k, _ in jamba.layer_kinds()] == [2, 2]
+    from autoshard.planner.cost import _layer_seconds
+    c = Candidate(dp=1, pp=1, tp=4, b=1, m=1)
+    two, three = (_layer_seconds(s, DGX_H100, c, 2048, True).tp
+                  for s in (falcon, dataclasses.replace(falcon, parallel_mixer=False)))
+    assert three == pytest.approx(two * 3 / 2, rel=1e-12)
 
 
 def test_a_mixer_layer_has_no_attention_core():
