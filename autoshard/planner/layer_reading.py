@@ -18,11 +18,14 @@ anything else holding matrices is the mixer.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from autoshard.planner.blocks import Gemm, Mixer
+
+log = logging.getLogger("autoshard")
 
 # what a decoder layer's parameter names say of its MLP: a gate projection (SwiGLU / GeGLU: three matrices),
 # and an MLP every token runs through beside an MoE layer's routed experts
@@ -156,6 +159,10 @@ def with_layers(shape, layers: list, hybrid: bool, model=None):
     if with_attention:
         shape = _with_attention_heads(shape, split[with_attention[0]].attention)
     if len(layers) != shape.layers:
+        if model is not None and (hybrid or moe):     # not a one-layer copy's (first_layer)
+            log.warning("autoshard: %s: the config says %d decoder layers, the model holds %d; the planner prices "
+                        "every layer as the first of its kind (pass a ModelShape(...) with the layout if that is off)",
+                        shape.name, shape.layers, len(layers))
         return shape
     everywhere = set(range(len(layers)))
     changes = {}

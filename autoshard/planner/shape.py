@@ -297,7 +297,7 @@ def model_shape(model, seq: int | None = None, name: str | None = None) -> Model
         one = layer_reading.first_layer(fields)
         layers = [one] if one is not None else []
     shape = layer_reading.with_layers(shape, layers, hybrid, whole)
-    _check_parameters(shape, whole, layers[0] if layers else None)
+    _check_parameters(shape, whole, layers)
     return shape
 
 
@@ -307,13 +307,13 @@ def model_shape(model, seq: int | None = None, name: str | None = None) -> Model
 PARAMETER_TOLERANCE = 0.10
 
 
-def _check_parameters(shape: ModelShape, model, layer) -> None:
+def _check_parameters(shape: ModelShape, model, layers: list) -> None:
     """Raise where ``shape`` prices a model whose parameters it does not describe: a part the config
     names in no field the planner reads (a per-layer embedding, an extra tower, a width in a nested
     config) would otherwise be left out of every memory figure without a word. ``model`` is the user's,
     or one built on ``meta`` from the config; None (transformers cannot build it) leaves the shape
-    unchecked, and says so. ``layer``: ``model``'s first decoder layer (None: not found). The message
-    names where they differ: each decoder layer, or the ends."""
+    unchecked, and says so. ``layers``: ``model``'s decoder layers (empty: not found). The message
+    names where they differ: the first decoder layer the shape misprices, or the ends."""
     if model is None:
         log.warning("autoshard: %s: transformers cannot build this config, so the planner cannot check the %s "
                     "parameters it reads off it against the model's own; pass a ModelShape(...) if they are off",
@@ -323,21 +323,26 @@ def _check_parameters(shape: ModelShape, model, layer) -> None:
     if not real or abs(shape.params() / real - 1) <= PARAMETER_TOLERANCE:
         return
     where = ""
-    if layer is not None:
-        held = sum(p.numel() for p in layer.parameters())
-        priced = shape.layer_kind(0).layer_params()
-        if abs(priced / held - 1) > PARAMETER_TOLERANCE:
-            where = (f"its first decoder layer holds {held:,} ({type(layer).__name__}), the shape prices "
-                     f"{priced:,}: a field the planner does not read changes its layers")
+    if layers:
+        # each layer against its own kind where the shape has one a layer, else against the first's
+        read = len(layers) == shape.layers
+        for i, layer in enumerate(layers):
+            held = sum(p.numel() for p in layer.parameters())
+            priced = shape.layer_kind(i if read else 0).layer_params()
+            if abs(priced - held) > PARAMETER_TOLERANCE * held:
+                where = (f"its decoder layer {i} holds {held:,} ({type(layer).__name__}), the shape prices "
+                         f"{priced:,}: a field the planner does not read changes its layers")
+                break
         else:
-            stack = {id(p) for m in model.modules() if type(m) is type(layer) for p in m.parameters()}
+            stack = {id(p) for layer in layers for p in layer.parameters()}
             outside = sorted(((p.numel(), n) for n, p in model.named_parameters() if id(p) not in stack),
                              reverse=True)[:3]
             where = ("its layers match, its ends do not; the largest parameters outside the decoder layers: "
                      + ", ".join(f"{n} ({k:,})" for k, n in outside))
     raise ValueError(f"{shape.name}: the planner reads {shape.params():,} parameters off its config ({shape}), but "
                      f"the model has {real:,} ({shape.params() / real - 1:+.0%}){'; ' + where if where else ''}. "
-                     "The planner prices a uniform decoder stack: pass a ModelShape(...) that describes this model")
+                     "The planner prices each decoder layer as attention, a token mixer and an MLP of the widths it "
+                     "reads: pass a ModelShape(...) that describes this model")
 
 
 def _canonical(fields: dict, config) -> dict:

@@ -61,11 +61,19 @@ def test_shapes_from_the_builtin_gpt_on_meta_and_an_hf_config(tmp_path, caplog):
         towered.model.tower = torch.nn.Linear(2048, 2048)
     with pytest.raises(ValueError, match=r"reads [\d,]+ parameters off its config .*, but the model has [\d,]+ \(-\d+%\).*model\.tower\.weight \(4,194,304\)"):
         model_shape(towered)
+    # a layer past the first that holds more than its kind is named (here layer 1's MLP, four times as wide)
+    with torch.device("meta"):
+        widened = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{k: v for k, v in llama.items() if k != "model_type"}))
+        mlp = widened.model.layers[1].mlp
+        mlp.up_proj, mlp.gate_proj = (torch.nn.Linear(p.in_features, 4 * p.out_features, bias=False) for p in (mlp.up_proj, mlp.gate_proj))
+        mlp.down_proj = torch.nn.Linear(4 * mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False)
+    with pytest.raises(ValueError, match=r"its decoder layer 1 holds [\d,]+ \(LlamaDecoderLayer\)"):
+        model_shape(widened)
     # a nested ffn_config under names the planner does not read (DBRX's own are read: the test below);
     # CTRL's layer width in dff, which no field the planner reads names: refused by its layers' parameters
     with pytest.raises(ValueError, match="nested in ffn_config"):
         model_shape(dict(llama, model_type="dbrx", ffn_config={"n_experts": 4, "width": 128}))
-    with pytest.raises(ValueError, match=r"its first decoder layer holds [\d,]+ \(EncoderLayer\), the shape prices"):
+    with pytest.raises(ValueError, match=r"its decoder layer 0 holds [\d,]+ \(EncoderLayer\), the shape prices"):
         model_shape(transformers.CTRLConfig(n_layer=2, n_embd=64, n_head=4, dff=512, vocab_size=100))
     # a config transformers cannot build is priced unchecked, and says so
     with caplog.at_level(logging.WARNING, logger="autoshard"):
