@@ -103,7 +103,7 @@ def _gathers_feeding(gm, x, by_node):
         fwd = [c for c in by_node.get(u.name, []) if c.phase == "fwd" and c.kind in ("all_gather", "all_reduce")]
         op = gm.get_submodule(u.target) if u.op == "call_module" else None
         packet = getattr(u.target, "overloadpacket", None) if u.op == "call_function" else None
-        if isinstance(op, (ops.Redistribute, ops.CopyToParallel, ops.SequenceGather)):
+        if isinstance(op, (ops.Redistribute, ops.CopyToParallel, ops.SequenceGather, ops.GatheredReplica)):
             if fwd:
                 found.append((u, fwd))
                 return ()

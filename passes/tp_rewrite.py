@@ -9,6 +9,8 @@ Walks the planned graph once and builds a new one in which
   consumers);
 - a replicated value entering ops whose output is sharded goes through one ``CopyToParallel`` (Megatron's
   f), so its gradient is all-reduced once however many column-parallel consumers it has (q, k and v);
+  under sequence parallelism one ``SequenceGather``, which the value's replicated readers share too
+  (``GatheredReplica``: GQA's k and v where tp splits no kv head);
 - the two vocab-parallel ops are lowered to their records.
 
 The result is a per-rank program: rank-specific constants (vocab ranges) are baked in. Its parallel ops
@@ -83,6 +85,15 @@ def tp_rewrite_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         if not isinstance(val(u), torch.Tensor):
             raise AssertionError(f"internal error: plan moves list-valued {u.name} from {src!r} to {placement!r}")
         grad = M.REQUIRES_GRAD.get(u, False)
+        if (sequence_parallel and grad and isinstance(placement, Replicate) and _gathers_evenly(src, shape_of(u), t)
+                and u not in reads and _partial_grad_reader(u)):
+            # the sequence gather its column-parallel readers need serves the replicated ones too
+            name = add_module("gathered_replica", ops.GatheredReplica("tp", t, shape_of(u)))
+            node = g.call_module(name, (with_f(u),))
+            node.meta["val"] = _local_val(u, placement, t)
+            _annotate(node, M.SPEC.get(u).with_axis("tp", placement), shape_of(u), t, grad, source=u.name)
+            cache[u, placement] = node
+            return node
         name = add_module("redistribute", ops.Redistribute("tp", t, src, placement, shape_of(u), grad))
         node = g.call_module(name, (env[u],))
         node.meta["val"] = _local_val(u, placement, t)
@@ -146,6 +157,16 @@ def tp_rewrite_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         itemsize = 4 if ctx.options.mixed_precision else val(next(iter(deferred))).element_size()
         out.meta[TP_PARTIAL_GRADS] = PartialGrads(tuple(deferred.values()), numel, itemsize)
     return out
+
+
+def _partial_grad_reader(u) -> bool:
+    """Whether some op reads ``u`` replicated with a partial gradient (a column-parallel matmul)."""
+    for n in u.users:
+        strategy = M.STRATEGY.get(n, None)
+        if strategy is not None and any(partial_grad_use(strategy, pos) for pos, x in enumerate(n.all_input_nodes)
+                                        if x is u):
+            return True
+    return False
 
 
 # ops a parameter may be read through that change only its dtype or its view: its gradient flows back

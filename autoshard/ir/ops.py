@@ -110,6 +110,24 @@ class SequenceGather(ParallelOp):
                 f"backward), global shape {self.shape}")
 
 
+class GatheredReplica(ParallelOp):
+    """A ``SequenceGather``'s output read by ops whose gradient is whole on every rank (GQA's k and v
+    projections, replicated where there are fewer kv heads than tp ranks), beside the column-parallel
+    ones it feeds: identity forward; backward, the gradient over ``size``. The gather's reduce-scatter
+    sums every rank's share, so the replicated part counts once, and one all-gather serves both kinds
+    of reader where a plain all-gather for the replicated ones would move the stream a second time."""
+
+    def __init__(self, axis, size, shape):
+        super().__init__(axis, size)
+        self.shape = tuple(shape)
+
+    def meta_forward(self, x):
+        return x
+
+    def extra_repr(self):
+        return f"the sequence gather's output, read with a whole gradient (/ {self.size} backward), global shape {self.shape}"
+
+
 class ColumnParallelMatmul(ParallelOp):
     """f fused into the column-parallel matmul it feeds, so the gradient all-reduce overlaps dW.
     ``y = x W^T + b``, with ``W`` stored ``(out, in)``, or ``(in, out)`` when ``transposed`` (HF Conv1D).

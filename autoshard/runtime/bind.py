@@ -34,6 +34,10 @@ def _sequence_gather(op, comm, x):
     return blockwise(lambda v, d: C.SequenceGather.apply(v, comm, d), x, op.dim, op.blocks)
 
 
+def _gathered_replica(op, comm, x):
+    return C.GradientShare.apply(x, op.size)
+
+
 def _column_parallel_matmul(op, comm, x, weight, bias=None):
     held = None
     if getattr(op, "defer_weight", False) and weight_grad.is_splitting() and torch.is_grad_enabled() \
@@ -70,6 +74,7 @@ IMPLEMENTATIONS = {
     ops.Redistribute: _redistribute,
     ops.CopyToParallel: _copy_to_parallel,
     ops.SequenceGather: _sequence_gather,
+    ops.GatheredReplica: _gathered_replica,
     ops.ColumnParallelMatmul: _column_parallel_matmul,
     ops.VocabParallelEmbedding: _vocab_parallel_embedding,
     ops.VocabParallelCrossEntropy: _vocab_parallel_cross_entropy,

@@ -39,6 +39,19 @@ class CopyToParallel(torch.autograd.Function):
         return ctx.comm.all_reduce(g.clone(), "bwd"), None
 
 
+class GradientShare(torch.autograd.Function):
+    """Identity forward; backward, this rank's share of a gradient every rank holds whole (``g / size``),
+    for a reduce-scatter that sums the shares (``ir.ops.GatheredReplica``)."""
+    @staticmethod
+    def forward(ctx, x, size):
+        ctx.size = size
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / ctx.size, None
+
+
 class ReduceFromParallel(torch.autograd.Function):
     """g: all-reduce the partial sums forward; identity backward (the gradient is replicated)."""
     @staticmethod

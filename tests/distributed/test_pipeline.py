@@ -42,6 +42,9 @@ FOUR_RANKS = [
     ("gpt", dict(pp=2, tp=2), dict(microbatches=2, sequence_parallel=True), GPT),   # sequence-sharded boundary
     # gloo's RS and AG as all-to-alls; the column-parallel inputs kept as shards and gathered again, async
     ("gpt", dict(tp=4), dict(microbatches=2, sequence_parallel="regather"), dict(n_layer=2)),
+    # 2 kv heads on 4 ranks: k and v replicated, their input the one sequence gather q's is (GatheredReplica)
+    ("family", dict(tp=4), dict(microbatches=2, sequence_parallel=True),
+     dict(family="llama", hidden=32, heads=4, kv_heads=2, layers=2)),
 ]
 
 

@@ -53,7 +53,11 @@ def test_gpt_is_exact_and_moves_the_same_bytes(t):
             assert rel(grads[n], p.grad) <= 1e-5, (rank, n)
 
 
-def test_llama_with_rotary_is_exact():
+@pytest.mark.parametrize("t", [2, 4])
+def test_llama_with_rotary_is_exact(t):
+    """Rotary tables sliced per shard; at t=4 its 2 kv heads are not split, so the k and v projections
+    read the stream replicated beside q's column-parallel one: the one sequence gather serves both
+    (``ops.GatheredReplica``), and SP moves the bytes TP does."""
     cfg = T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)
@@ -63,10 +67,19 @@ def test_llama_with_rotary_is_exact():
     ref = copy.deepcopy(model)
     want = ref(**kwargs).loss
     want.backward()
-    prog = autoshard.compile_rank(model, {"tp": 2}, 0, (), kwargs,
-                                  options=autoshard.CompileOptions(loss_only=True, sequence_parallel=True))
-    assert comm_summary(prog.collectives)[0][("tp", "fwd", "reduce_scatter")] > 0
-    for rank, (out, grads, _) in enumerate(simulate(model, 2, (), kwargs, loss_fn=lambda o: o.loss,
+    plain, prog = (autoshard.compile_rank(model, {"tp": t}, 0, (), kwargs,
+                                          options=autoshard.CompileOptions(loss_only=True, sequence_parallel=sp))
+                   for sp in (False, True))
+    calls = comm_summary(prog.collectives)[0]
+    assert calls[("tp", "fwd", "reduce_scatter")] > 0
+    # per layer two stream gathers forward (attention's, the MLP's), however many kinds of reader each
+    # has, and the LM head's
+    stream = [c for c in prog.collectives if c.phase == "fwd" and c.kind == "all_gather" and c.shape == (2, 16, 64)]
+    assert len(stream) == 2 * cfg.num_hidden_layers + 1, [(c.node, c.what) for c in stream]
+    # the same bytes as TP, but for the norms' weight gradients summed after backward (Megatron's too)
+    norms = 2 * cfg.num_hidden_layers + 1
+    assert _ring_bytes(prog) - _ring_bytes(plain) == 2 * 4 * norms * cfg.hidden_size
+    for rank, (out, grads, _) in enumerate(simulate(model, t, (), kwargs, loss_fn=lambda o: o.loss,
                                                     sequence_parallel=True, loss_only=True)):
         assert rel(out.loss.detach(), want.detach()) <= 1e-5
         for n, p in ref.named_parameters():
