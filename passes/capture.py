@@ -9,16 +9,17 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autoshard.ir import meta as M
 from autoshard.ir.program import Captured
-from autoshard.passes.functionalize import functionalize
+from autoshard.passes.functionalize import WritesParameters, _root, functionalize
 from autoshard.passes.index_ranges import check_static_indices, index_ranges
 from autoshard.passes.regions import RegionError, inline_regions
-from autoshard.passes.shapes import module_path
+from autoshard.passes.shapes import module_path, writes_in_place
 
 
 class CaptureError(ValueError, RuntimeError):
@@ -102,6 +103,30 @@ def _export(model, args, kwargs):
             h.remove()
 
 
+def _refuse_parameter_writes(ep) -> None:
+    """A forward that writes its own weights in place (under ``no_grad``: RWKV's eval-mode rescaling,
+    ``rescale_every``) is not a pure function of them: the captured program would repeat the write on
+    every call, where the model guards it with a Python flag, and on a shard of the weight. Refuse it
+    by name before any pass reports it as a write into a view or a stage cut drops it. Read once export's
+    ``no_grad`` regions are inlined (the write sits in one); where functionalization ran first, it has
+    found such writes already (``functionalize.WritesParameters``)."""
+    placeholders = [n for n in ep.graph_module.graph.nodes if n.op == "placeholder"]
+    params = {n: spec.target for n, spec in zip(placeholders, ep.graph_signature.input_specs)
+              if spec.kind is InputKind.PARAMETER}
+    for n in ep.graph_module.graph.nodes:
+        x = n.args[0] if n.args else None
+        if writes_in_place(n) and isinstance(x, fx.Node) and _root(x) in params:
+            raise CaptureError(_parameter_write_message(f"'{module_path(n) or '<top>'}'", params[_root(x)], n.target))
+
+
+def _parameter_write_message(where: str, parameter: str, op, count: int = 1) -> str:
+    more = f" (and {count - 1} more)" if count > 1 else ""
+    return (f"the forward of {where} writes its parameter '{parameter}'{more} in place ({op}): autoshard captures "
+            "forwards that are pure functions of their weights, and shards them.\nhint: keep weight updates out of "
+            "forward(). RWKV does this in eval mode to guard fp16 against overflow: set config.rescale_every = 0 "
+            "(its layer norms leave the loss the same but for their eps)")
+
+
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
     kwargs = kwargs or {}
     on_meta = any(p.is_meta for p in model.parameters())
@@ -115,12 +140,16 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
         if spec.kind not in (OutputKind.USER_OUTPUT,):
             raise CaptureError(f"the forward mutates {spec.kind.name.lower()} '{spec.target}'; autoshard "
                                "captures pure forwards only (hint: return the new value instead)")
-    ep, functionalized = functionalize(ep)
+    try:
+        ep, functionalized = functionalize(ep)
+    except WritesParameters as e:
+        raise CaptureError(_parameter_write_message("the model", e.targets[0], "an in-place op", len(e.targets))) from None
     gm = ep.graph_module
     try:
         regions = inline_regions(gm)
     except RegionError as e:
         raise CaptureError(str(e)) from None
+    _refuse_parameter_writes(ep)
     _check_static_sizes(model, gm)
     for n in list(gm.graph.nodes):  # export's dtype asserts: no output, and sharding never changes dtypes
         if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default:

@@ -69,6 +69,18 @@ def functionalize(ep: ExportedProgram) -> tuple[ExportedProgram, list[str]]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec", category=FutureWarning)  # torch's own
         pure = ep.run_decompositions({})
+    written = [spec.target for spec in pure.graph_signature.output_specs if spec.kind is OutputKind.PARAMETER_MUTATION]
+    if written:
+        raise WritesParameters(written)
     if any(spec.kind is not OutputKind.USER_OUTPUT for spec in pure.graph_signature.output_specs):
         return ep, []      # a write reached module state after all: leave it to canonicalize's checks
     return pure, modules
+
+
+class WritesParameters(ValueError):
+    """The forward writes these parameters in place (what functionalization reveals of a write made under
+    ``no_grad`` in a region export keeps apart); ``capture`` turns it into a ``CaptureError``."""
+
+    def __init__(self, targets: list):
+        super().__init__(", ".join(targets))
+        self.targets = targets

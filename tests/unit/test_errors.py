@@ -88,6 +88,40 @@ def test_data_dependent_size_is_a_capture_error_naming_the_module():
         autoshard.compile_rank(TokenLoop(), {"tp": 2}, 0, (torch.randn(8, 4),))
 
 
+class SelfScaling(nn.Module):
+    """Halves its weight in place on an eval forward, as RWKV's eval-mode rescaling does."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if not self.training:
+            with torch.no_grad():
+                self.proj.weight.div_(2)
+        return self.proj(x)
+
+
+def test_a_forward_that_writes_its_weights_is_refused():
+    """The captured program would halve the weight again on every call (and a shard of it under tp),
+    where a Python flag guards it in the model: refused, naming the parameter, at tp=1 and tp=2."""
+    for tp in (1, 2):
+        with pytest.raises(CaptureError, match=r"writes its parameter 'proj.weight' in place[\s\S]*hint: keep weight"):
+            autoshard.compile_rank(SelfScaling().eval(), {"tp": tp}, 0, (torch.randn(2, 4),), training=False)
+
+
+def test_rwkv_eval_rescaling_is_refused_with_its_fix():
+    """RWKV's eval mode divides its output weights in place under ``no_grad`` (``rescale_every``); export
+    keeps that write in a region of its own, which functionalization reveals."""
+    import transformers as T
+    cfg = T.RwkvConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, attention_hidden_size=32,
+                       intermediate_size=64, context_length=16)
+    model = T.AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(0, 64, (1, 8))
+    with pytest.raises(CaptureError, match=r"writes its parameter 'rwkv.blocks.0.attention.output.weight'[\s\S]*rescale_every = 0"):
+        autoshard.compile_rank(model, {"tp": 1}, 0, (), dict(input_ids=ids, labels=ids, use_cache=False), training=False)
+
+
 def test_bad_pins():
     model = build("gpt", n_layer=1)
     with pytest.raises(PlanError, match=r"not parameters of the model"):
