@@ -115,11 +115,13 @@ def parts(layer, hybrid: bool = True, prefix: str = "") -> LayerParts:
             continue                                            # a norm (or nothing)
         cls = type(child).__name__
         cls = cls[len(prefix):] if prefix and cls.startswith(prefix) else cls
-        if "Attention" in cls and not any(k in cls for k in _NOT_SOFTMAX):
+        # a learned decay is a recurrence's, whatever the class says (RWKV's "SelfAttention": time_decay)
+        decays = any("decay" in n.split(".")[-1] for n, _ in child.named_parameters())
+        if "Attention" in cls and not decays and not any(k in cls for k in _NOT_SOFTMAX):
             out.attention.append(child)
         elif has_experts(child):
             out.mlp.append(child)
-        elif any(k in cls for k in _MIXER_CLASSES):
+        elif decays or any(k in cls for k in _MIXER_CLASSES):
             out.mixer.append(child)
         elif name in _MLP_NAMES or any(k in cls for k in _MLP_CLASSES) or isinstance(child, torch.nn.Linear):
             out.mlp.append(child)
@@ -241,13 +243,16 @@ def _dense_width(shape, mlp: list) -> int:
 def _mixer(modules: list, hidden: int) -> Mixer:
     """The token mixer ``modules`` make, as ``blocks.Mixer``: each matrix a GEMM (the one back to the
     stream row-parallel, the rest column-parallel), the rest held; the widest projection of the stream
-    its scan's width."""
+    its scan's width. A square matrix is the one back to the stream where its module says so by name
+    (RWKV's ``output``: its four matrices are all h x h)."""
     gemms, other = [], 0
     for m in modules:
-        for p in m.parameters():
+        for name, p in m.named_parameters():
             if p.dim() == 2:
                 out, inner = p.shape
-                gemms.append(Gemm(int(inner), int(out), "inner" if out == hidden and inner != hidden else "outer"))
+                back = out == hidden and (inner != hidden or name.split(".")[-2:-1] in (["output"], ["out_proj"],
+                                                                                      ["o_proj"]))
+                gemms.append(Gemm(int(inner), int(out), "inner" if back else "outer"))
             else:
                 other += p.numel()
     widths = [g.outer for g in gemms if g.inner == hidden] or [g.outer for g in gemms] or [hidden]

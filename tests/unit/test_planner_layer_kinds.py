@@ -253,3 +253,20 @@ def test_a_state_space_model_has_no_attention_and_no_mlp():
     assert abs(shape.params() - real) <= 0.03 * real
     assert shape.layer_forward_flops(1) == 2 * sum(g.inner * g.outer for g in shape.mixer.gemms)
     assert plan(shape, 8, "dgx-h100", 64, top=1).best.fits
+
+
+def test_rwkv_time_mixing_is_a_mixer_not_softmax_attention():
+    """RWKV's "SelfAttention" holds a learned decay (``time_decay``): a recurrence, read as the mixer,
+    whose four h x h matrices are split column-wise but for ``output``, back to the stream row-wise;
+    its channel mixing is the MLP (its receptance counted in the width)."""
+    cfg = transformers.RwkvConfig(vocab_size=512, hidden_size=256, num_hidden_layers=4, attention_hidden_size=256,
+                                  intermediate_size=1024, context_length=1024)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    shape = model_shape(cfg)
+    assert (shape.attention, shape.mixer.name, shape.blocks) == (False, "RwkvSelfAttention", 2)
+    assert [g.split for g in shape.mixer.gemms] == ["outer", "outer", "outer", "inner"]
+    assert shape.ffn == 1024 + 256 // 2        # key and value, and receptance's h x h as half a column pair
+    real = sum(p.numel() for p in model.parameters())
+    assert abs(shape.params() - real) <= 0.03 * real
+    assert plan(shape, 8, "dgx-h100", 64, top=1).best.fits
