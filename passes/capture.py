@@ -16,10 +16,12 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from autoshard.ir import meta as M
 from autoshard.ir.program import Captured
-from autoshard.passes.functionalize import WritesParameters, _root, functionalize
+from autoshard.passes.functionalize import WritesParameters, functionalize
 from autoshard.passes.index_ranges import check_static_indices, index_ranges
 from autoshard.passes.regions import RegionError, inline_regions
 from autoshard.passes.shapes import module_path, writes_in_place
+
+aten = torch.ops.aten
 
 
 class CaptureError(ValueError, RuntimeError):
@@ -103,28 +105,47 @@ def _export(model, args, kwargs):
             h.remove()
 
 
+# ops whose output always shares its input's storage: a write through them writes the input. (``reshape``,
+# ``contiguous`` and ``to`` may copy instead, so a write after them proves nothing about the parameter)
+_TRUE_VIEWS = {aten.view, aten._unsafe_view, aten.t, aten.transpose, aten.permute, aten.select, aten.slice,
+               aten.expand, aten.unsqueeze, aten.squeeze, aten.detach, aten.alias, aten.narrow, aten.as_strided,
+               aten.diagonal, aten.unfold}
+
+
+def _viewed(x: fx.Node) -> fx.Node:
+    """The tensor ``x`` is a view of through ``_TRUE_VIEWS`` (``x`` itself when it is none)."""
+    while (x.op == "call_function" and getattr(x.target, "overloadpacket", None) in _TRUE_VIEWS and x.args
+           and isinstance(x.args[0], fx.Node)):
+        x = x.args[0]
+    return x
+
+
 def _refuse_parameter_writes(ep) -> None:
     """A forward that writes its own weights in place (under ``no_grad``: RWKV's eval-mode rescaling,
     ``rescale_every``) is not a pure function of them: the captured program would repeat the write on
     every call, where the model guards it with a Python flag, and on a shard of the weight. Refuse it
     by name before any pass reports it as a write into a view or a stage cut drops it. Read once export's
     ``no_grad`` regions are inlined (the write sits in one); where functionalization ran first, it has
-    found such writes already (``functionalize.WritesParameters``)."""
+    found such writes already (``functionalize.WritesParameters``). A write into a copy of a weight
+    (``w.float().mul_(2)``) is no write of the weight, and passes."""
     placeholders = [n for n in ep.graph_module.graph.nodes if n.op == "placeholder"]
     params = {n: spec.target for n, spec in zip(placeholders, ep.graph_signature.input_specs)
               if spec.kind is InputKind.PARAMETER}
     for n in ep.graph_module.graph.nodes:
         x = n.args[0] if n.args else None
-        if writes_in_place(n) and isinstance(x, fx.Node) and _root(x) in params:
-            raise CaptureError(_parameter_write_message(f"'{module_path(n) or '<top>'}'", params[_root(x)], n.target))
+        if writes_in_place(n) and isinstance(x, fx.Node) and _viewed(x) in params:
+            raise CaptureError(_parameter_write_message(module_path(n), params[_viewed(x)], n.target))
 
 
 def _parameter_write_message(where: str, parameter: str, op, count: int = 1) -> str:
     more = f" (and {count - 1} more)" if count > 1 else ""
-    return (f"the forward of {where} writes its parameter '{parameter}'{more} in place ({op}): autoshard captures "
-            "forwards that are pure functions of their weights, and shards them.\nhint: keep weight updates out of "
-            "forward(). RWKV does this in eval mode to guard fp16 against overflow: set config.rescale_every = 0 "
-            "(its layer norms leave the loss the same but for their eps)")
+    place = f"'{where}'" if where else "the top module"
+    hint = ("RWKV does this in eval mode to guard fp16 against overflow: set config.rescale_every = 0 (its layer "
+            "norms leave the loss the same but for their eps)" if "rwkv" in f"{where}.{parameter}".lower()
+            else "update the weight outside forward (after the optimizer step), or compute the changed weight "
+                 "out of place (w = self.weight * c) and use that")
+    return (f"the forward of {place} writes its parameter '{parameter}'{more} in place ({op}): autoshard captures "
+            f"forwards that are pure functions of their weights, and shards them.\nhint: {hint}")
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captured:
@@ -143,7 +164,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict | None = None) -> Captur
     try:
         ep, functionalized = functionalize(ep)
     except WritesParameters as e:
-        raise CaptureError(_parameter_write_message("the model", e.targets[0], "an in-place op", len(e.targets))) from None
+        raise CaptureError(_parameter_write_message("", e.targets[0], "an in-place op", len(e.targets))) from None
     gm = ep.graph_module
     try:
         regions = inline_regions(gm)

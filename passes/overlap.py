@@ -11,7 +11,9 @@ projections stays as it is: their partial gradients must be summed before one al
 Under sequence parallelism the same pair is a ``SequenceGather`` (all-gather forward, reduce-scatter of
 the gradient backward) and the matmul: fused alike (``gather_dim``), its reduce-scatter overlaps dW.
 Only where the matmul reads the gathered value directly (a reshape between would need the gathered
-sizes), and not for the LM head, whose chunked loss (``chunk_loss``) takes a gathered input.
+sizes), and not for the LM head, whose chunked loss (``chunk_loss``) takes a gathered input. Nor where
+the gather has other readers (GQA's replicated k and v through ``GatheredReplica``): one gather
+forward is kept over the overlap of its reduce-scatter with q's dW.
 """
 from __future__ import annotations
 

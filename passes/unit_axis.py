@@ -25,7 +25,7 @@ def drop_unit_axis_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         op = gm.get_submodule(n.target)
         if not isinstance(op, ops.ParallelOp) or op.size != 1:
             continue
-        if isinstance(op, (ops.Redistribute, ops.CopyToParallel, ops.SequenceGather)):
+        if isinstance(op, (ops.Redistribute, ops.CopyToParallel, ops.SequenceGather, ops.GatheredReplica)):
             n.replace_all_uses_with(n.args[0])
         elif isinstance(op, ops.ColumnParallelMatmul):
             x, weight, *bias = n.args

@@ -143,7 +143,9 @@ class ModelShape:
 
     def layer_rank_params(self, t: int) -> float:
         """Weights of one layer that one of ``t`` tensor-parallel ranks holds: the matrices tp splits, a
-        t-th; those it replicates (MLA's down projections, a router, norms and biases), whole."""
+        t-th; those it replicates (MLA's down projections, a router), whole, and the vectors too (norms,
+        biases, a mixer's convolution taps and decays: a little over what the runtime holds, which splits
+        some of them by channel)."""
         return self._layer_rank_params(t)
 
     @functools.lru_cache(maxsize=64)

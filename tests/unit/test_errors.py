@@ -106,8 +106,28 @@ def test_a_forward_that_writes_its_weights_is_refused():
     """The captured program would halve the weight again on every call (and a shard of it under tp),
     where a Python flag guards it in the model: refused, naming the parameter, at tp=1 and tp=2."""
     for tp in (1, 2):
-        with pytest.raises(CaptureError, match=r"writes its parameter 'proj.weight' in place[\s\S]*hint: keep weight"):
+        with pytest.raises(CaptureError, match=r"writes its parameter .proj.weight. in place[\s\S]*hint: update the weight outside forward"):
             autoshard.compile_rank(SelfScaling().eval(), {"tp": tp}, 0, (torch.randn(2, 4),), training=False)
+
+
+class ScalesACopy(nn.Module):
+    """Writes in place into a copy of its weight (``contiguous`` of a transpose copies): legitimate."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        w = self.proj.weight.t().contiguous()
+        w.mul_(2)
+        return x @ w
+
+
+def test_a_write_into_a_copy_of_a_weight_is_captured():
+    x = torch.randn(2, 4)
+    model = ScalesACopy()
+    prog = autoshard.compile_rank(model, {"tp": 1}, 0, (x,))
+    assert prog.captured is not None
 
 
 def test_rwkv_eval_rescaling_is_refused_with_its_fix():
