@@ -133,8 +133,9 @@ def _refuse_parameter_writes(ep) -> None:
               if spec.kind is InputKind.PARAMETER}
     for n in ep.graph_module.graph.nodes:
         x = n.args[0] if n.args else None
-        if writes_in_place(n) and isinstance(x, fx.Node) and _viewed(x) in params:
-            raise CaptureError(_parameter_write_message(module_path(n), params[_viewed(x)], n.target))
+        written = _viewed(x) if writes_in_place(n) and isinstance(x, fx.Node) else None
+        if written in params:
+            raise CaptureError(_parameter_write_message(module_path(n), params[written], n.target))
 
 
 def _parameter_write_message(where: str, parameter: str, op, count: int = 1) -> str:

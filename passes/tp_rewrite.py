@@ -90,12 +90,9 @@ def tp_rewrite_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             # the sequence gather its column-parallel readers need serves the replicated ones too
             name = add_module("gathered_replica", ops.GatheredReplica("tp", t, shape_of(u)))
             node = g.call_module(name, (with_f(u),))
-            node.meta["val"] = _local_val(u, placement, t)
-            _annotate(node, M.SPEC.get(u).with_axis("tp", placement), shape_of(u), t, grad, source=u.name)
-            cache[u, placement] = node
-            return node
-        name = add_module("redistribute", ops.Redistribute("tp", t, src, placement, shape_of(u), grad))
-        node = g.call_module(name, (env[u],))
+        else:
+            name = add_module("redistribute", ops.Redistribute("tp", t, src, placement, shape_of(u), grad))
+            node = g.call_module(name, (env[u],))
         node.meta["val"] = _local_val(u, placement, t)
         _annotate(node, M.SPEC.get(u).with_axis("tp", placement), shape_of(u), t, grad, source=u.name)
         cache[u, placement] = node

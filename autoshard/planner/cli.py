@@ -13,10 +13,11 @@ import os
 import sys
 
 from autoshard.planner.cluster import PRESETS
+from autoshard.planner.config_reading import model_shape
 from autoshard.planner.report import plan_md, plot_svg, table
 from autoshard.planner.runtimes import RUNTIMES
 from autoshard.planner.search import plan
-from autoshard.planner.shape import BUILTIN, ModelShape, model_shape
+from autoshard.planner.shape import BUILTIN, ModelShape
 
 
 def _model(spec: str, seq):

@@ -160,7 +160,7 @@ def _calibrated_on_a_layer(cluster: Cluster, repeats: int, hidden: int = 256, se
     mostly GEMMs). Timed on every rank at once, as the GEMMs were: a shared host's contention counts."""
     from autoshard.models.gpt import Block, GPTConfig
     from autoshard.planner.cost import OPS_PER_LAYER, Candidate, _layer_seconds
-    from autoshard.planner.shape import model_shape
+    from autoshard.planner.config_reading import model_shape
     cfg = GPTConfig(n_embd=hidden, n_head=4, block_size=seq, dropout=0.0, n_layer=1, vocab_size=256)
     with torch.random.fork_rng(devices=[]):     # the caller's RNG stays where it was
         torch.manual_seed(0)

@@ -40,9 +40,10 @@ from dataclasses import dataclass
 import torch
 
 from autoshard.planner.cluster import DGX_A100, DGX_H100, Cluster, cluster_named
+from autoshard.planner.config_reading import model_shape
 from autoshard.planner.cost import Candidate, Memory, predict, stage_memory
 from autoshard.planner.search import size
-from autoshard.planner.shape import ModelShape, model_shape
+from autoshard.planner.shape import ModelShape
 
 log = logging.getLogger("autoshard")
 RECOMPUTE_OPTION = {"none": False, "selective": "selective", "full": True}   # parallelize's recompute= values

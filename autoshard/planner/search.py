@@ -17,9 +17,10 @@ import time
 from dataclasses import dataclass, field
 
 from autoshard.planner.cluster import Cluster, cluster_named
+from autoshard.planner.config_reading import model_shape
 from autoshard.planner.cost import Candidate, Prediction, predict
 from autoshard.planner.runtimes import AUTOSHARD, Runtime, runtime_named
-from autoshard.planner.shape import ModelShape, model_shape
+from autoshard.planner.shape import ModelShape
 
 GiB = 2**30
 

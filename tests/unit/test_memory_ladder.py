@@ -16,9 +16,10 @@ from autoshard.ir.mesh import MeshSpec
 from autoshard.ir.program import comm_summary
 from autoshard.models.gpt import GPT, GPTConfig
 from autoshard.planner import DGX_A100, Candidate, plan, predict
+from autoshard.planner.config_reading import model_shape
 from autoshard.planner.cost import stage_memory
 from autoshard.planner.memory_ladder import MemoryLimitError, choose, memory_options, rungs_for
-from autoshard.planner.shape import BUILTIN, model_shape
+from autoshard.planner.shape import BUILTIN
 from tests.harness.parity_checks import rel
 from tests.harness.simulate import simulate
 

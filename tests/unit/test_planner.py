@@ -13,7 +13,8 @@ from autoshard.models.gpt import GPT, GPTConfig
 from autoshard.planner import DGX_A100, Candidate, Link, ModelShape, plan, predict
 from autoshard.planner.cost import (activation_bytes_per_layer, bubble_fraction, in_flight, ring_all_reduce_seconds,
                                     stage_memory)
-from autoshard.planner.shape import BUILTIN, model_shape
+from autoshard.planner.config_reading import model_shape
+from autoshard.planner.shape import BUILTIN
 
 # a cluster where only compute costs: what the closed forms of the bubble are about
 FREE_LINKS = DGX_A100.with_(intra=Link(1e30, 0.0), inter=Link(1e30, 0.0), hbm_bandwidth=1e30)

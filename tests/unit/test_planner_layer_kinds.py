@@ -16,7 +16,7 @@ import torch
 from autoshard.planner import DGX_H100, ModelShape, plan, predict
 from autoshard.planner.cost import Candidate, _rank_params
 from autoshard.planner.report import plan_md
-from autoshard.planner.shape import model_shape
+from autoshard.planner.config_reading import model_shape
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""How the planner reads a model's sizes (``autoshard/planner/shape.py``): the built-in GPT, HF configs as
+"""How the planner reads a model's sizes (``autoshard/planner/config_reading.py``): the built-in GPT, HF configs as
 objects, dicts, ``config.json`` files and ``meta`` models, checked against the parameters the model holds;
 and the layouts it refuses, each with the reason."""
 import dataclasses
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from autoshard.models.gpt import GPT, GPTConfig
-from autoshard.planner.shape import BUILTIN, model_shape
+from autoshard.planner.config_reading import model_shape
+from autoshard.planner.shape import BUILTIN
 
 
 def test_shapes_from_the_builtin_gpt_on_meta_and_an_hf_config(tmp_path, caplog):
