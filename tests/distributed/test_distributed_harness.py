@@ -35,3 +35,34 @@ def test_error_in_one_rank_is_reported_with_traceback():
     assert "ValueError: boom from rank 1" in msg
     assert "_raising_body" in msg
     assert "rank 0 failed" not in msg
+
+
+def _leaves_state(rank, world_size):
+    """Changes what a fresh rank would not have: the next call must not see any of it."""
+    import os
+    seen = dict(pid=os.getpid(), env=os.environ.get("AUTOSHARD_POOL_PROBE"), grad=torch.is_grad_enabled(),
+                dtype=str(torch.get_default_dtype()), cwd=os.getcwd(), seed=torch.initial_seed())
+    os.environ["AUTOSHARD_POOL_PROBE"] = "left behind"
+    os.chdir("/")
+    torch.set_grad_enabled(False)
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(1234)
+    return seen
+
+
+def test_pooled_ranks_serve_call_after_call_from_a_fresh_state():
+    from autoshard.launcher import RankPool
+    pool = RankPool(2)
+    try:
+        first, second = pool.run(_leaves_state), pool.run(_leaves_state)
+        for a, b in zip(first, second):
+            assert a["pid"] == b["pid"], "the second call ran in new processes"
+            assert b["env"] is None and b["grad"] and b["dtype"] == "torch.float32", b
+            assert b["cwd"] == a["cwd"] and b["seed"] == a["seed"] != 1234, (a, b)
+        with pytest.raises(RuntimeError, match="boom from rank 1"):
+            pool.run(_raising_body)
+        assert not pool.alive                  # a failed call closes the pool ...
+        third = pool.run(_leaves_state)        # ... and the next one starts another
+        assert all(t["pid"] != a["pid"] for t, a in zip(third, first)) and all(t["env"] is None for t in third)
+    finally:
+        pool.close()

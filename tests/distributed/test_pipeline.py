@@ -134,7 +134,7 @@ def _raising_rank(rank, world, timeout):
 
 def test_a_raising_rank_fails_the_others_within_the_timeout():
     timeout = 4
-    (kind0, msg0, t0), (kind1, msg1, _) = run_distributed(_raising_rank, 2, timeout, timeout=120)
+    (kind0, msg0, t0), (kind1, msg1, _) = run_distributed(_raising_rank, 2, timeout, timeout=120, fresh=True)
     assert kind1 == "RuntimeError" and "injected" in msg1
     assert kind0 == "PipelineError", msg0
     assert "global rank 1" in msg0
