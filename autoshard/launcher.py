@@ -308,6 +308,7 @@ def pooled(world: int) -> RankPool:
 
 
 @atexit.register
-def _close_pools():
+def close_pools():
+    """Stop every pool ``pooled`` started (at exit, or where a caller wants fresh ranks from here on)."""
     for pool in _POOLS.values():
         pool.close()

@@ -17,3 +17,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The tests compare against single-device models on the CPU: on a GPU machine too they run on gloo
 # (GPU checks are the benchmarks' job, one command each).
 os.environ.setdefault("AUTOSHARD_BACKEND", "gloo")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_rank_pool_per_module():
+    """A test module's multi-process calls share one pool of ranks (``run_distributed``); the next module
+    starts new ones, so what a module's calls leave in the ranks' heaps never slows another module."""
+    yield
+    from autoshard.launcher import close_pools
+    close_pools()
