@@ -6,8 +6,9 @@ The single-machine stand-in for torchrun that the tests and the benchmarks share
   the results ordered by rank.
 - ``RankPool(world).run(fn, *args)`` does the same on ranks that stay up between calls. Spawning a rank,
   importing torch and joining the group costs seconds, more than many of the tests' bodies, so the test
-  suite keeps one pool per world size. A call that fails or leaves the ranks out of step (a rank stuck in a
-  collective, an aborted group) closes the pool; the next call starts a fresh one.
+  suite keeps one pool per world size and test module. A call that fails, or after which the world group
+  is out of step (a rank stuck in a collective, an aborted group), closes the pool; the next call starts
+  a fresh one.
 
 A rank that raises, dies or outlives ``timeout`` stops the whole job; the error carries each failing
 rank's traceback (``RankError``). Each rank gets one intra-op thread (``torch.set_num_threads(1)``).
@@ -21,6 +22,7 @@ import os
 import pickle
 import queue as queue_mod
 import socket
+import sys
 import time
 import traceback
 
@@ -49,9 +51,13 @@ def backend() -> str:
     return default_backend()
 
 
+def _rank_environ(rank, world, port) -> dict:
+    return dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+
+
 def _join_group(rank, world, port, init_pg):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    os.environ.update(_rank_environ(rank, world, port))
     torch.set_num_threads(1)
     be = backend()
     if be == "nccl":
@@ -106,14 +112,8 @@ def _collect(procs, q, timeout, tag=None) -> dict:
             r, status, payload = get(1.0)
         except queue_mod.Empty:
             dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
-            if dead:
-                time.sleep(0.5)
-                while True:
-                    try:
-                        r, status, payload = get(None)
-                        results[r] = (status, payload)
-                    except queue_mod.Empty:
-                        break
+            if dead:     # the others' errors (a peer that noticed) may still be on their way
+                _drain(get, results, world)
                 for r in dead:
                     results.setdefault(r, ("error", f"rank {r} exited with code {procs[r].exitcode} "
                                                     "without reporting"))
@@ -121,15 +121,20 @@ def _collect(procs, q, timeout, tag=None) -> dict:
             continue
         results[r] = (status, payload)
         if status == "error":
-            grace = time.monotonic() + 5
-            while len(results) < world and time.monotonic() < grace:
-                try:
-                    r, status, payload = get(0.5)
-                    results[r] = (status, payload)
-                except queue_mod.Empty:
-                    pass
+            _drain(get, results, world)
             break
     return results
+
+
+def _drain(get, results, world, grace: float = 5.0):
+    """Collect what the other ranks report within ``grace`` seconds of a failure."""
+    until = time.monotonic() + grace
+    while len(results) < world and time.monotonic() < until:
+        try:
+            r, status, payload = get(0.5)
+            results[r] = (status, payload)
+        except queue_mod.Empty:
+            pass
 
 
 def _unpack(fn, world, results) -> list:
@@ -142,9 +147,10 @@ def _unpack(fn, world, results) -> list:
 
 
 def _stop(procs, wait: bool):
+    until = time.monotonic() + 30
     for p in procs:
         if wait:
-            p.join(timeout=30)
+            p.join(timeout=max(0.0, until - time.monotonic()))
         if p.is_alive():
             p.kill()
             p.join(timeout=5)
@@ -188,28 +194,42 @@ _HEALTH_TIMEOUT = 60.0
 # first tests' bodies add 5-10% each) the pool is replaced. The kernel tests took 95 s in a fresh pool,
 # 151 s in fresh ranks each, and 436 s in a pool that had first run the distributed tests without this limit.
 _RECYCLE_OBJECTS = 1_000_000
+# Every mesh a call makes adds gloo groups (their threads and sockets) that live as long as the rank:
+# past this many threads the pool is replaced too.
+_RECYCLE_THREADS = 400
+
+
+def _threads() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
 
 
 def _fresh_state(initial_seed):
-    """What a fresh rank would start a call with: its own first seed, gradients on, float32, no compiled
-    frames left from an earlier call (their guards and recompile limits). The environment and the working
-    directory are put back after each call."""
+    """What a fresh rank would start a call with: its own first seed, gradients on, float32, no Dynamo frames
+    left from an earlier call (their guards and recompile limits). Not reset: what is cached by content
+    (Inductor's and Triton's caches, generated kernel modules), imported modules, and the c10d groups
+    earlier calls made."""
     torch.manual_seed(initial_seed)
     torch.set_grad_enabled(True)
     torch.set_default_dtype(torch.float32)
-    torch._dynamo.reset()
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
 
 
 def _pool_worker(rank, world, port, tasks, q):
-    """Join the group once, then run each task in the same group. After a call, a barrier shows the ranks are
-    still in step (no rank left inside a collective); a rank that cannot pass it, or whose heap has grown
-    past ``_RECYCLE_OBJECTS``, says so and the pool closes."""
+    """Join the group once, then run each task in the same group, in the caller's environment and directory.
+    After a call, a barrier on the world group shows it is still in step (a call cannot return while a rank
+    is inside a blocking collective; work left pending on a mesh axis's group is not seen). A rank that
+    cannot pass it, or whose heap or thread count has grown past the limits, says so and the pool closes."""
     try:
         _join_group(rank, world, port, init_pg=True)
         joined = None
     except BaseException:  # noqa: BLE001 - reported as the first call's error
         joined = traceback.format_exc()
-    initial_seed, environ, cwd = torch.initial_seed(), dict(os.environ), os.getcwd()
+    initial_seed, own = torch.initial_seed(), _rank_environ(rank, world, port)
     try:
         while (task := tasks.get()) is not None:
             tag, payload = task
@@ -218,13 +238,13 @@ def _pool_worker(rank, world, port, tasks, q):
                 return
             _fresh_state(initial_seed)
             try:
-                fn, args = pickle.loads(payload)
+                fn, args, environ, cwd = pickle.loads(payload)
+                os.environ.clear()          # the caller's environment and directory now, as a fresh rank's
+                os.environ.update(environ | own)
+                os.chdir(cwd)
                 status, out = _call(rank, world, fn, args)
             except BaseException:  # noqa: BLE001 - the task itself did not unpickle
                 status, out = "error", traceback.format_exc()
-            os.environ.clear()
-            os.environ.update(environ)
-            os.chdir(cwd)
             q.put((tag, rank, status, out))
             if status != "ok":
                 return
@@ -234,7 +254,7 @@ def _pool_worker(rank, world, port, tasks, q):
                 q.put((-tag, rank, "error", traceback.format_exc()))
                 return
             gc.collect()
-            if len(gc.get_objects()) > _RECYCLE_OBJECTS:
+            if len(gc.get_objects()) > _RECYCLE_OBJECTS or _threads() > _RECYCLE_THREADS:
                 q.put((-tag, rank, "recycle", b""))
                 return
             q.put((-tag, rank, "ok", b""))
@@ -244,8 +264,9 @@ def _pool_worker(rank, world, port, tasks, q):
 
 class RankPool:
     """``world`` ranks in one process group that run call after call (``run``), each call as ``launch`` would
-    run it, from the state a fresh rank starts in (seed, environment, grad mode, default dtype, compile
-    caches). Any failure closes the pool, so a broken group never carries into the next call."""
+    run it, from a fresh rank's seed, grad mode and default dtype, in the caller's environment and working
+    directory (``_fresh_state`` says what carries over). Any failure closes the pool, so a broken world
+    group never carries into the next call."""
 
     def __init__(self, world: int):
         _check_backend(world)
@@ -268,18 +289,23 @@ class RankPool:
     def run(self, fn, *args, timeout: float = 900):
         """``fn(rank, world, *args)`` on every rank of the pool; results ordered by rank (``RankError`` as
         ``launch``)."""
-        payload = pickle.dumps((fn, args))   # fails here, in the caller, if fn or args do not pickle
+        # fails here, in the caller, if fn or args do not pickle
+        payload = pickle.dumps((fn, args, dict(os.environ), os.getcwd()))
         if not self.alive:
             self.close()
             self._start()
         self._tag += 1
-        for tasks in self._tasks:
-            tasks.put((self._tag, payload))
-        results = _collect(self.procs, self._q, timeout, tag=self._tag)
-        ok = len(results) == self.world and all(s == "ok" for s, _ in results.values())
-        if ok:
-            health = _collect(self.procs, self._q, _HEALTH_TIMEOUT, tag=-self._tag)
-            ok = len(health) == self.world and all(s == "ok" for s, _ in health.values())
+        try:
+            for tasks in self._tasks:
+                tasks.put((self._tag, payload))
+            results = _collect(self.procs, self._q, timeout, tag=self._tag)
+            ok = len(results) == self.world and all(s == "ok" for s, _ in results.values())
+            if ok:
+                health = _collect(self.procs, self._q, _HEALTH_TIMEOUT, tag=-self._tag)
+                ok = len(health) == self.world and all(s == "ok" for s, _ in health.values())
+        except BaseException:   # the caller interrupted (Ctrl-C): the ranks may still be inside the call
+            self.close(kill=True)
+            raise
         if not ok:
             self.close(kill=True)
         return _unpack(fn, self.world, results)
@@ -293,6 +319,7 @@ class RankPool:
                 tasks.put(None)
         _stop(self.procs, wait=not kill)
         for q in (self._q, *self._tasks):
+            q.cancel_join_thread()     # a killed rank may not have read its task: exit must not wait on it
             q.close()
         self.procs = []
 
@@ -311,4 +338,7 @@ def pooled(world: int) -> RankPool:
 def close_pools():
     """Stop every pool ``pooled`` started (at exit, or where a caller wants fresh ranks from here on)."""
     for pool in _POOLS.values():
-        pool.close()
+        try:
+            pool.close()
+        except Exception:  # noqa: BLE001 - the next pool is closed all the same
+            pool.close(kill=True)

@@ -307,7 +307,7 @@ def _run_mesh(rank, world, mesh):
 @functools.lru_cache(maxsize=None)
 def results_for(mesh: str) -> list:
     """Per rank, ``{case index: result}`` for every case on ``mesh`` (one launch per mesh)."""
-    return run_distributed(_run_mesh, _world(mesh), mesh, timeout=600)
+    return run_distributed(_run_mesh, _world(mesh), mesh, timeout=600, fresh=True)   # a case may time a group out
 
 
 PARAMS = [pytest.param(i, m, id=f"{c.name} [{m}]") for i, c in enumerate(CASES) for m in c.meshes]

@@ -50,7 +50,7 @@ def _leaves_state(rank, world_size):
     return seen
 
 
-def test_pooled_ranks_serve_call_after_call_from_a_fresh_state():
+def test_pooled_ranks_serve_call_after_call_from_a_fresh_state(monkeypatch):
     from autoshard.launcher import RankPool
     pool = RankPool(2)
     try:
@@ -59,6 +59,9 @@ def test_pooled_ranks_serve_call_after_call_from_a_fresh_state():
             assert a["pid"] == b["pid"], "the second call ran in new processes"
             assert b["env"] is None and b["grad"] and b["dtype"] == "torch.float32", b
             assert b["cwd"] == a["cwd"] and b["seed"] == a["seed"] != 1234, (a, b)
+        monkeypatch.setenv("AUTOSHARD_POOL_PROBE", "set by the test")    # the caller's environment, now
+        assert all(c["env"] == "set by the test" for c in pool.run(_leaves_state))
+        monkeypatch.delenv("AUTOSHARD_POOL_PROBE")
         with pytest.raises(RuntimeError, match="boom from rank 1"):
             pool.run(_raising_body)
         assert not pool.alive                  # a failed call closes the pool ...

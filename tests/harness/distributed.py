@@ -2,9 +2,10 @@
 
     results = run_distributed(_body, 2, x)   # _body(rank, world, x) at top level, so it pickles
 
-The ranks stay up between tests (``autoshard.launcher.RankPool``, one per world size): spawning them and
-joining the group costs seconds a test. Each call still starts from a fresh rank's state, and a call that
-fails closes the pool. ``fresh=True`` (a test that leaves collectives timed out on purpose) or
+The ranks stay up between the calls of a test module (``autoshard.launcher.RankPool``, one per world size;
+``tests/conftest.py`` closes them at the module's end): spawning them and joining the group costs seconds
+a test. Each call still starts from a fresh rank's seed, in the test's environment, and a call that fails
+closes the pool. ``fresh=True`` (a test that may leave a collective timed out) or
 ``AUTOSHARD_TEST_FRESH_RANKS=1`` (every test) spawns new ranks for the call instead.
 
 A rank that raises, exits without reporting, or outlives ``timeout`` fails the test with every failing
