@@ -137,8 +137,12 @@ def _drain(get, results, world, grace: float = 5.0):
             pass
 
 
+def _all_ok(results, world) -> bool:
+    return len(results) == world and all(s == "ok" for s, _ in results.values())
+
+
 def _unpack(fn, world, results) -> list:
-    if len(results) == world and all(s == "ok" for s, _ in results.values()):
+    if _all_ok(results, world):
         return [pickle.loads(results[r][1]) for r in range(world)]
     errors = {r: (results[r][1] if r in results else "no result (hung or killed after the timeout)")
               for r in range(world) if r not in results or results[r][0] != "ok"}
@@ -180,8 +184,7 @@ def launch(fn, world: int, *args, timeout: float = 900, init_pg: bool = True):
     try:
         results = _collect(procs, q, timeout)
     finally:
-        ok = len(results) == world and all(s == "ok" for s, _ in results.values())
-        _stop(procs, wait=ok)
+        _stop(procs, wait=_all_ok(results, world))
         q.close()
     return _unpack(fn, world, results)
 
@@ -299,10 +302,8 @@ class RankPool:
             for tasks in self._tasks:
                 tasks.put((self._tag, payload))
             results = _collect(self.procs, self._q, timeout, tag=self._tag)
-            ok = len(results) == self.world and all(s == "ok" for s, _ in results.values())
-            if ok:
-                health = _collect(self.procs, self._q, _HEALTH_TIMEOUT, tag=-self._tag)
-                ok = len(health) == self.world and all(s == "ok" for s, _ in health.values())
+            ok = _all_ok(results, self.world) and _all_ok(
+                _collect(self.procs, self._q, _HEALTH_TIMEOUT, tag=-self._tag), self.world)
         except BaseException:   # the caller interrupted (Ctrl-C): the ranks may still be inside the call
             self.close(kill=True)
             raise
