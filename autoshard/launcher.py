@@ -12,6 +12,11 @@ The single-machine stand-in for torchrun that the tests and the benchmarks share
 
 A rank that raises, dies or outlives ``timeout`` stops the whole job; the error carries each failing
 rank's traceback (``RankError``). Each rank gets one intra-op thread (``torch.set_num_threads(1)``).
+
+Ranks are forked from a forkserver (spawned where the platform has none): a server process imports torch
+and autoshard once, plus the modules named in ``AUTOSHARD_PRELOAD`` (comma-separated), and each rank
+starts as a copy of it, in the caller's environment and working directory. A spawned rank pays those
+imports again, about 3 s of CPU for torch and autoshard and 5 s more for an HF model's modules.
 """
 from __future__ import annotations
 
@@ -51,6 +56,32 @@ def backend() -> str:
     return default_backend()
 
 
+# What every rank imports before it runs anything; AUTOSHARD_PRELOAD adds the caller's own (the test suite
+# names transformers' model modules and its harness). The server imports them once, at its start.
+_PRELOAD = ("torch", "torch.distributed", "autoshard", "autoshard.launcher")
+
+
+def _context():
+    """The multiprocessing context ranks start from: a forkserver whose imports every rank inherits.
+
+    Forking from the server, not from the caller, keeps the caller's threads, process groups and CUDA state
+    out of the ranks; the server itself never runs a tensor op. A module that fails to import there is
+    imported by the rank that needs it, as a spawned rank would."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    extra = [m.strip() for m in os.environ.get("AUTOSHARD_PRELOAD", "").split(",") if m.strip()]
+    ctx.set_forkserver_preload([*_PRELOAD, *extra])
+    return ctx
+
+
+def _adopt(environ: dict):
+    """The caller's environment, as a spawned rank would inherit it (a forked one inherits the server's,
+    which is the caller's as it was when the server started)."""
+    os.environ.clear()
+    os.environ.update(environ)
+
+
 def _rank_environ(rank, world, port) -> dict:
     return dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                 LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
@@ -83,8 +114,9 @@ def _call(rank, world, fn, args) -> tuple[str, bytes | str]:
         return "error", traceback.format_exc()
 
 
-def _worker(rank, world, port, fn, args, q, init_pg):
+def _worker(rank, world, port, fn, args, q, init_pg, environ):
     try:
+        _adopt(environ)
         _join_group(rank, world, port, init_pg)
         q.put((rank, *_call(rank, world, fn, args)))
     except BaseException:  # noqa: BLE001
@@ -173,10 +205,10 @@ def launch(fn, world: int, *args, timeout: float = 900, init_pg: bool = True):
     traceback if a rank raises, dies, or the job outlives ``timeout`` seconds (all ranks are killed).
     """
     _check_backend(world)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     q = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, q, init_pg),
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, q, init_pg, dict(os.environ)),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -222,12 +254,13 @@ def _fresh_state(initial_seed):
         torch._dynamo.reset()
 
 
-def _pool_worker(rank, world, port, tasks, q):
+def _pool_worker(rank, world, port, tasks, q, environ):
     """Join the group once, then run each task in the same group, in the caller's environment and directory.
     After a call, a barrier on the world group shows it is still in step (a call cannot return while a rank
     is inside a blocking collective; work left pending on a mesh axis's group is not seen). A rank that
     cannot pass it, or whose heap or thread count has grown past the limits, says so and the pool closes."""
     try:
+        _adopt(environ)
         _join_group(rank, world, port, init_pg=True)
         joined = None
     except BaseException:  # noqa: BLE001 - reported as the first call's error
@@ -242,8 +275,7 @@ def _pool_worker(rank, world, port, tasks, q):
             _fresh_state(initial_seed)
             try:
                 fn, args, environ, cwd = pickle.loads(payload)
-                os.environ.clear()          # the caller's environment and directory now, as a fresh rank's
-                os.environ.update(environ | own)
+                _adopt(environ | own)       # the caller's environment and directory now, as a fresh rank's
                 os.chdir(cwd)
                 status, out = _call(rank, world, fn, args)
             except BaseException:  # noqa: BLE001 - the task itself did not unpickle
@@ -280,11 +312,12 @@ class RankPool:
         return bool(self.procs) and all(p.is_alive() for p in self.procs)
 
     def _start(self):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._q = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world)]
         port = _free_port()
-        self.procs = [ctx.Process(target=_pool_worker, args=(r, self.world, port, self._tasks[r], self._q),
+        self.procs = [ctx.Process(target=_pool_worker, args=(r, self.world, port, self._tasks[r], self._q,
+                                                             dict(os.environ)),
                                   daemon=True) for r in range(self.world)]
         for p in self.procs:
             p.start()

@@ -17,6 +17,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The tests compare against single-device models on the CPU: on a GPU machine too they run on gloo
 # (GPU checks are the benchmarks' job, one command each).
 os.environ.setdefault("AUTOSHARD_BACKEND", "gloo")
+# Ranks fork from a server that imported these once (autoshard/launcher.py): HF's model modules and the
+# harness cost a spawned rank ~5 s of CPU each time a module's pool starts.
+os.environ.setdefault("AUTOSHARD_PRELOAD", ",".join([
+    "torch._dynamo", "torch.export", "transformers", "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.llama.modeling_llama", "tests.harness.models", "tests.harness.families",
+    "tests.harness.parity_checks", "tests.harness.pipeline_checks"]))
 
 
 import pytest  # noqa: E402
