@@ -31,12 +31,15 @@ demo-tp: venv
 demo-pp: venv
 	$(BIN)/torchrun --standalone --nproc_per_node=4 -m autoshard.demo --pp 2 --tp 2 --steps 20
 
+# two pytest workers (pytest-xdist), each given whole test files so a file's tests share their ranks
+# (tests/conftest.py); TEST_JOBS=1 runs them in one process
+TEST_JOBS ?= 2
 test: venv
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=15
 
 # the inner loop: the single-process tests only (unit and thread-simulated ranks)
 test-fast: venv
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/unit tests/simulated
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile tests/unit tests/simulated
 
 bench: venv $(VENV)/.bench-installed
 	$(BIN)/python -m benchmarks.tp

@@ -13,7 +13,7 @@ from tests.harness.simulate import simulate
 from tests.harness.zoo import build_zoo
 
 
-@pytest.mark.parametrize("name,t", [("olmoe", 2), ("qwen3_moe", 4)])
+@pytest.mark.parametrize("name,t", [("olmoe", 2), pytest.param("qwen3_moe", 4, marks=pytest.mark.slow)])
 def test_experts_are_sharded_not_gathered_and_the_step_is_exact(name, t):
     model = build_zoo(name)
     if model is None:

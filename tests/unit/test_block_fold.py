@@ -32,7 +32,7 @@ def _llama(layers):
     return model, (), dict(input_ids=ids, labels=ids, use_cache=False)
 
 
-@pytest.mark.parametrize("make,tp", [(_gpt, 2), (_gpt, 4), (_llama, 2)])
+@pytest.mark.parametrize("make,tp", [(_gpt, 2), pytest.param(_gpt, 4, marks=pytest.mark.slow), (_llama, 2)])
 def test_folded_plan_is_the_whole_plan_with_a_depth_free_ilp(make, tp, monkeypatch):
     shallow = _plan(*make(12), tp, True, monkeypatch)[0]
     (folded, plan), (whole, want) = _plan(*make(16), tp, True, monkeypatch), _plan(*make(16), tp, False, monkeypatch)
