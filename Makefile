@@ -32,7 +32,7 @@ demo-pp: venv
 	$(BIN)/torchrun --standalone --nproc_per_node=4 -m autoshard.demo --pp 2 --tp 2 --steps 20
 
 # two pytest workers (pytest-xdist), each given whole test files so a file's tests share their ranks
-# (tests/conftest.py); TEST_JOBS=1 runs them in one process
+# (tests/conftest.py); TEST_JOBS=0 runs them in pytest's own process
 TEST_JOBS ?= 2
 test: venv
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=15

@@ -1,11 +1,11 @@
-"""Spawn N local ranks joined by one process group (gloo on CPU, NCCL when CUDA has enough GPUs).
+"""Start N local ranks joined by one process group (gloo on CPU, NCCL when CUDA has enough GPUs).
 
 The single-machine stand-in for torchrun that the tests and the benchmarks share.
 
 - ``launch(fn, world, *args)`` runs ``fn(rank, world, *args)`` in each of ``world`` fresh ranks and returns
   the results ordered by rank.
-- ``RankPool(world).run(fn, *args)`` does the same on ranks that stay up between calls. Spawning a rank,
-  importing torch and joining the group costs seconds, more than many of the tests' bodies, so the test
+- ``RankPool(world).run(fn, *args)`` does the same on ranks that stay up between calls. Starting a rank
+  and joining the group costs seconds, more than many of the tests' bodies, so the test
   suite keeps one pool per world size and test module. A call that fails, or after which the world group
   is out of step (a rank stuck in a collective, an aborted group), closes the pool; the next call starts
   a fresh one.
@@ -13,10 +13,14 @@ The single-machine stand-in for torchrun that the tests and the benchmarks share
 A rank that raises, dies or outlives ``timeout`` stops the whole job; the error carries each failing
 rank's traceback (``RankError``). Each rank gets one intra-op thread (``torch.set_num_threads(1)``).
 
-Ranks are forked from a forkserver (spawned where the platform has none): a server process imports torch
-and autoshard once, plus the modules named in ``AUTOSHARD_PRELOAD`` (comma-separated), and each rank
-starts as a copy of it, in the caller's environment and working directory. A spawned rank pays those
-imports again, about 3 s of CPU for torch and autoshard and 5 s more for an HF model's modules.
+On Linux, ranks are forked from a forkserver: a server process imports torch and autoshard once, plus the
+modules named in ``AUTOSHARD_PRELOAD`` (``autoshard/_forkserver_preload.py``), and each rank starts as a
+copy of it, then takes the caller's environment before it unpickles ``fn`` or joins the group. A spawned
+rank pays those imports again, about 3 s of CPU for torch and autoshard and 5 s more for an HF model's
+modules. ``AUTOSHARD_START_METHOD=spawn`` (or another platform) spawns them. The server starts at the
+process's first launch and keeps that launch's ``AUTOSHARD_PRELOAD``, and what torch read at import (e.g.
+``TORCH_LOGS``): set those before it. The group's store is hosted by the caller on a port the OS picks, so
+two launchers on one machine (pytest-xdist's workers) never race for a port.
 """
 from __future__ import annotations
 
@@ -56,22 +60,20 @@ def backend() -> str:
     return default_backend()
 
 
-# What every rank imports before it runs anything; AUTOSHARD_PRELOAD adds the caller's own (the test suite
-# names transformers' model modules and its harness). The server imports them once, at its start.
-_PRELOAD = ("torch", "torch.distributed", "autoshard", "autoshard.launcher")
-
-
 def _context():
-    """The multiprocessing context ranks start from: a forkserver whose imports every rank inherits.
+    """The multiprocessing context ranks start from: on Linux a forkserver whose imports (torch, autoshard,
+    ``AUTOSHARD_PRELOAD``) every rank inherits; elsewhere, or with ``AUTOSHARD_START_METHOD=spawn``, spawn.
 
     Forking from the server, not from the caller, keeps the caller's threads, process groups and CUDA state
-    out of the ranks; the server itself never runs a tensor op. A module that fails to import there is
-    imported by the rank that needs it, as a spawned rank would."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    extra = [m.strip() for m in os.environ.get("AUTOSHARD_PRELOAD", "").split(",") if m.strip()]
-    ctx.set_forkserver_preload([*_PRELOAD, *extra])
+    out of the ranks; the server itself never runs a tensor op. (macOS has a forkserver too, but forking
+    after torch's import is not safe there.)"""
+    method = os.environ.get("AUTOSHARD_START_METHOD") or ("forkserver" if sys.platform.startswith("linux")
+                                                          else "spawn")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"AUTOSHARD_START_METHOD={method!r}: use 'forkserver' (Linux's default) or 'spawn'")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["autoshard._forkserver_preload"])
     return ctx
 
 
@@ -80,6 +82,13 @@ def _adopt(environ: dict):
     which is the caller's as it was when the server started)."""
     os.environ.clear()
     os.environ.update(environ)
+
+
+def _host_store():
+    """The group's key-value store, served by the caller on a port the OS picks as it binds (no window in
+    which another process can take it, as one found free and bound again later has)."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=300))
 
 
 def _rank_environ(rank, world, port) -> dict:
@@ -94,7 +103,9 @@ def _join_group(rank, world, port, init_pg):
     if be == "nccl":
         torch.cuda.set_device(rank)
     if init_pg:  # otherwise fn makes the group itself from the torchrun-style environment
-        dist.init_process_group(be, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+        timeout = datetime.timedelta(seconds=300)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)   # the caller's (_host_store)
+        dist.init_process_group(be, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _leave_group():
@@ -114,9 +125,10 @@ def _call(rank, world, fn, args) -> tuple[str, bytes | str]:
         return "error", traceback.format_exc()
 
 
-def _worker(rank, world, port, fn, args, q, init_pg, environ):
+def _worker(rank, world, port, payload, q, init_pg, environ):
     try:
-        _adopt(environ)
+        _adopt(environ)        # before fn's module is imported: it may read the environment
+        fn, args = pickle.loads(payload)
         _join_group(rank, world, port, init_pg)
         q.put((rank, *_call(rank, world, fn, args)))
     except BaseException:  # noqa: BLE001
@@ -199,21 +211,25 @@ def _check_backend(world):
 
 
 def launch(fn, world: int, *args, timeout: float = 900, init_pg: bool = True):
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; results ordered by rank.
+    """Run ``fn(rank, world, *args)`` on ``world`` new ranks; results ordered by rank.
 
     ``fn`` must be a picklable top-level function. Raises ``RankError`` with every failing rank's
     traceback if a rank raises, dies, or the job outlives ``timeout`` seconds (all ranks are killed).
     """
     _check_backend(world)
+    # by value, as RankPool sends its calls: unpickled after the rank took the caller's environment, and no
+    # tensor travels as a shared-memory descriptor (a forkserver passes at most 252 per process)
+    payload = pickle.dumps((fn, args))
     ctx = _context()
     q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, q, init_pg, dict(os.environ)),
+    store = _host_store() if init_pg else None
+    port = store.port if store is not None else _free_port()   # without init_pg, rank 0 serves fn's own group
+    procs = [ctx.Process(target=_worker, args=(r, world, port, payload, q, init_pg, dict(os.environ)),
                          daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
     results = {}
     try:
+        for p in procs:
+            p.start()
         results = _collect(procs, q, timeout)
     finally:
         _stop(procs, wait=_all_ok(results, world))
@@ -305,7 +321,7 @@ class RankPool:
 
     def __init__(self, world: int):
         _check_backend(world)
-        self.world, self.procs, self._tag = world, [], 0
+        self.world, self.procs, self._tag, self._store = world, [], 0, None
 
     @property
     def alive(self) -> bool:
@@ -315,9 +331,9 @@ class RankPool:
         ctx = _context()
         self._q = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world)]
-        port = _free_port()
-        self.procs = [ctx.Process(target=_pool_worker, args=(r, self.world, port, self._tasks[r], self._q,
-                                                             dict(os.environ)),
+        self._store = _host_store()
+        self.procs = [ctx.Process(target=_pool_worker, args=(r, self.world, self._store.port, self._tasks[r],
+                                                             self._q, dict(os.environ)),
                                   daemon=True) for r in range(self.world)]
         for p in self.procs:
             p.start()
@@ -355,7 +371,7 @@ class RankPool:
         for q in (self._q, *self._tasks):
             q.cancel_join_thread()     # a killed rank may not have read its task: exit must not wait on it
             q.close()
-        self.procs = []
+        self.procs, self._store = [], None
 
 
 _POOLS: dict[int, RankPool] = {}

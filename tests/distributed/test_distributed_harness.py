@@ -69,3 +69,38 @@ def test_pooled_ranks_serve_call_after_call_from_a_fresh_state(monkeypatch):
         assert all(t["pid"] != a["pid"] for t, a in zip(third, first)) and all(t["env"] is None for t in third)
     finally:
         pool.close()
+
+
+def _environment_and_imports(rank, world_size):
+    import os
+    import sys
+    return dict(env=os.environ.get("AUTOSHARD_POOL_PROBE"), cwd=os.getcwd(), world=dist.get_world_size(),
+                transformers="transformers" in sys.modules)
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_fresh_ranks_take_the_callers_environment_under_either_start_method(method, monkeypatch, tmp_path):
+    """A forked rank inherits the server's environment, the caller's as it was when the server started:
+    the launch sends the caller's as it is now. Under the forkserver the suite's AUTOSHARD_PRELOAD
+    (transformers among them) is already imported; a spawned rank imports afresh."""
+    from autoshard.launcher import launch
+    monkeypatch.setenv("AUTOSHARD_START_METHOD", method)
+    monkeypatch.setenv("AUTOSHARD_POOL_PROBE", f"set after the server started ({method})")
+    monkeypatch.chdir(tmp_path)
+    for r in launch(_environment_and_imports, 2, timeout=120):
+        assert r["env"] == f"set after the server started ({method})" and r["world"] == 2, r
+        assert r["cwd"] == str(tmp_path), r
+        assert r["transformers"] == (method == "forkserver"), r
+
+
+def test_a_preload_that_fails_warns_and_leaves_the_import_to_the_ranks():
+    from autoshard import _forkserver_preload
+    with pytest.warns(UserWarning, match="no_such_module_for_autoshard did not import"):
+        _forkserver_preload._preload("json, no_such_module_for_autoshard")
+
+
+def test_an_unknown_start_method_is_a_clear_error(monkeypatch):
+    from autoshard.launcher import launch
+    monkeypatch.setenv("AUTOSHARD_START_METHOD", "fork")
+    with pytest.raises(ValueError, match="AUTOSHARD_START_METHOD='fork'"):
+        launch(_environment_and_imports, 2)
