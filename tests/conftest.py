@@ -17,6 +17,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The tests compare against single-device models on the CPU: on a GPU machine too they run on gloo
 # (GPU checks are the benchmarks' job, one command each).
 os.environ.setdefault("AUTOSHARD_BACKEND", "gloo")
+# Inductor compiles its C++ kernels in the rank itself, not in a pool of worker processes per rank (each
+# importing torch): test_inductor.py's tp=2 cases took 147 s against 169 s with cold caches
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # Ranks fork from a server that imported these once (autoshard/launcher.py): HF's model modules and the
 # harness cost a spawned rank ~5 s of CPU each time a module's pool starts.
 os.environ.setdefault("AUTOSHARD_PRELOAD", ",".join([
