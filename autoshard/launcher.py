@@ -84,11 +84,14 @@ def _adopt(environ: dict):
     os.environ.update(environ)
 
 
+# how long the ranks wait for each other to join the group, and its store for a key
+_GROUP_TIMEOUT = datetime.timedelta(seconds=300)
+
+
 def _host_store():
     """The group's key-value store, served by the caller on a port the OS picks as it binds (no window in
     which another process can take it, as one found free and bound again later has)."""
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=300))
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_GROUP_TIMEOUT)
 
 
 def _rank_environ(rank, world, port) -> dict:
@@ -103,9 +106,8 @@ def _join_group(rank, world, port, init_pg):
     if be == "nccl":
         torch.cuda.set_device(rank)
     if init_pg:  # otherwise fn makes the group itself from the torchrun-style environment
-        timeout = datetime.timedelta(seconds=300)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)   # the caller's (_host_store)
-        dist.init_process_group(be, store=store, rank=rank, world_size=world, timeout=timeout)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=_GROUP_TIMEOUT)   # the caller's (_host_store)
+        dist.init_process_group(be, store=store, rank=rank, world_size=world, timeout=_GROUP_TIMEOUT)
 
 
 def _leave_group():
