@@ -11,7 +11,7 @@ data parallel) training program.
 
 docs/architecture.md describes the data flow and where each concern lives.
 """
-from autoshard.api import compile_options, compile_pipeline, compile_rank, parallelize
+from autoshard.api import compile_options, compile_pipeline, compile_rank, compile_ranks, parallelize
 from autoshard.checkpoint import load, save
 from autoshard.ir import (CompileOptions, CostModel, DistSpec, MeshSpec, Partial, Program, Replicate, Shard)
 from autoshard.launcher import RankError, launch
@@ -23,7 +23,7 @@ from autoshard.runtime.module import ParallelModule
 from autoshard.runtime.executor import PipelineError
 from autoshard.planner import Cluster, ModelShape, Plan, plan
 
-__all__ = ["init_mesh", "parallelize", "compile_rank", "compile_pipeline", "compile_options", "PipelineOptions",
+__all__ = ["init_mesh", "parallelize", "compile_rank", "compile_ranks", "compile_pipeline", "compile_options", "PipelineOptions",
            "PipelineError", "InputError", "local_batch", "data_parallel_rank", "save", "load", "launch", "RankError", "Program", "ParallelModule", "CompileOptions",
            "MeshSpec", "CostModel", "DistSpec", "Shard", "Replicate", "Partial", "plan", "Plan", "Cluster",
            "ModelShape"]

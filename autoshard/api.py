@@ -29,7 +29,7 @@ from autoshard.passes import dump as D
 from autoshard.passes.capture import capture
 from autoshard.passes.dump_pipeline import write_pipeline
 from autoshard.passes.lower import collective_records, param_records
-from autoshard.passes.manager import PassContext, check_pass_list, run_passes
+from autoshard.passes.manager import PassContext, check_pass_list, run_mesh_passes, run_passes, run_rank_passes
 from autoshard.passes.mixed_precision import COMPUTE_DTYPES, capture_in
 from autoshard.passes.stages import split_chunks
 from autoshard.planner.memory_ladder import memory_options
@@ -145,26 +145,49 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
     options = _options(options, keywords, "compile_rank")
     if keywords:
         options = dataclasses.replace(options, pipeline=None)
+    return compile_ranks(model, mesh, [rank], example_args, example_kwargs, options, captured, training)[0]
+
+
+def compile_ranks(model: nn.Module, mesh, ranks=None, example_args=(), example_kwargs=None,
+                  options: CompileOptions | None = None, captured: Captured | None = None,
+                  training: bool | None = None, **keywords) -> list:
+    """``compile_rank`` for each of ``ranks`` (default: every rank of ``mesh``), in one process: the
+    model is captured once and the passes that every rank runs alike (through ``plan``) run once, so
+    the ranks share one plan by construction and a tp=8 compile-only run costs one plan, not eight.
+    Returns the ``Program`` of each rank, in the order given."""
+    options = _options(options, keywords, "compile_ranks")
+    if keywords:
+        options = dataclasses.replace(options, pipeline=None)
     options = _recompute_resolved(options or CompileOptions(), model)
     spec = mesh_spec(mesh)
     if spec.pp > 1 and options.pipeline is None:
         raise ValueError(f"mesh {spec} has a pipeline axis: compile it with compile_pipeline (parallelize does) "
                          "and train with pm.step")
-    spec.coords(rank)  # a clear error for a rank outside the mesh
+    ranks = list(range(spec.size)) if ranks is None else list(ranks)
+    if not ranks:
+        raise ValueError("compile_ranks: ranks is empty; give the ranks to compile, or None for every rank")
+    for rank in ranks:
+        spec.coords(rank)  # a clear error for a rank outside the mesh
     check_pass_list(options.disable)
     start = time.perf_counter()
     if captured is None:
         captured = _capture(model, example_args, example_kwargs, options,
                             training if training is not None else model.training)
-    out = _rank_dump_dir(options, rank)
-    ctx = PassContext(spec, rank, _pins_by_graph_name(options, captured), out)
-    local, timings = run_passes(captured.gm, ctx)
-    prog = Program(local, captured, spec, rank, options, param_records(local), collective_records(local),
-                   D.model_symbols(captured.gm), local.meta.get(M.PLAN_REPORT), timings,
-                   compile_seconds=time.perf_counter() - start)
-    if out:
-        D.write_plan(prog, out)
-    return prog
+    pinned = _pins_by_graph_name(options, captured)
+    planned = run_mesh_passes(captured.gm, PassContext(spec, ranks[0], pinned, _rank_dump_dir(options, ranks[0])))
+    shared = time.perf_counter() - start
+    programs = []
+    for rank in ranks:
+        start = time.perf_counter()
+        out = _rank_dump_dir(options, rank)
+        local, timings = run_rank_passes(planned, PassContext(spec, rank, pinned, out))
+        prog = Program(local, captured, spec, rank, options, param_records(local), collective_records(local),
+                       D.model_symbols(captured.gm), local.meta.get(M.PLAN_REPORT), timings,
+                       compile_seconds=shared + time.perf_counter() - start)
+        if out:
+            D.write_plan(prog, out)
+        programs.append(prog)
+    return programs
 
 
 def _pins_by_graph_name(options: CompileOptions, captured) -> CompileOptions:

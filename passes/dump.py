@@ -52,11 +52,15 @@ def format_graph(gm):
     return "\n".join(lines) + "\n"
 
 
-def dump_graph(gm, dump_dir, index, name):
+def graph_text(gm, index, name) -> str:
+    return f"# after pass {index}: {name}\n" + format_graph(gm)
+
+
+def write_dump(dump_dir, file_name, text):
     os.makedirs(dump_dir, exist_ok=True)
-    with open(os.path.join(dump_dir, f"{index:02d}_{name}.txt"), "w") as f:
-        f.write(f"# after pass {index}: {name}\n")
-        f.write(format_graph(gm))
+    with open(os.path.join(dump_dir, file_name), "w") as f:
+        f.write(text)
+
 
 
 def model_symbols(gm):

@@ -65,6 +65,7 @@ class Pass:
     requires: tuple = ()          # MetaKeys it reads
     provides: tuple = ()          # MetaKeys it writes
     in_place: bool = True         # False: builds a new GraphModule and leaves its input untouched
+    per_rank: bool = False        # reads ctx.rank: it and every pass after it run once per rank
 
 
 CAPTURED = (M.KIND, M.NAME, M.REQUIRES_GRAD)   # what capture provides
@@ -85,13 +86,14 @@ PASSES = [
          requires=CAPTURED, provides=(M.STRATEGY, M.SPEC, M.REQUIRES_GRAD)),
     Pass("tp_rewrite", tp_rewrite_pass, "local shapes, collectives as ir.ops records, vocab-parallel lowerings",
          requires=(M.STRATEGY, M.SPEC, M.REQUIRES_GRAD), provides=(M.GLOBAL_SHAPE, M.LOCAL_SHAPE, M.SOURCE),
-         in_place=False),
+         in_place=False, per_rank=True),
     Pass("drop_unit_axis", drop_unit_axis_pass, "at tp=1 every collective is the identity: the model's own graph"),
     Pass("sdpa_dropout", sdpa_dropout_pass, "SDPA with dropout on a tp shard spelled out as ATen's math attention "
          "(on CPU), so the next pass gives its dropout the single device's mask",
          requires=(M.SPEC, M.GLOBAL_SHAPE, M.LOCAL_SHAPE)),
     Pass("sharded_dropout", sharded_dropout_pass, "dropout on a tp shard draws the single-device mask and keeps "
-         "its part, so every rank's RNG stays the single device's", requires=(M.SPEC, M.GLOBAL_SHAPE, M.LOCAL_SHAPE)),
+         "its part, so every rank's RNG stays the single device's", requires=(M.SPEC, M.GLOBAL_SHAPE, M.LOCAL_SHAPE),
+         per_rank=True),
     Pass("fuse_bias", fuse_bias_pass, "fold bias adds that stayed local back into the matmul",
          requires=(M.LOCAL_SHAPE,)),
     Pass("overlap_grad_allreduce", overlap_grad_allreduce_pass,
@@ -139,13 +141,29 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return out
 
 
-def run_passes(gm: fx.GraphModule, ctx: PassContext) -> tuple:
-    """Run the enabled passes in order: ``(final graph, {pass name: seconds})``."""
-    passes = check_pass_list(ctx.options.disable)
-    if ctx.dump_dir:
-        D.dump_graph(gm, ctx.dump_dir, 0, "capture")
-    owned, timings = False, {}
-    for i, p in enumerate(PASSES, start=1):
+@dataclass
+class MeshPlanned:
+    """The graph after the passes that every rank of a mesh runs alike (those before the first ``per_rank``
+    pass: through ``plan``), so several ranks compiled in one process (``compile_ranks``: the simulator,
+    compile-only dumps) capture and plan once. ``dumps`` holds those passes' dump texts, for each rank's
+    directory, when dumping."""
+    gm: fx.GraphModule
+    timings: dict
+    next_index: int                                  # the first per-rank pass's number in the dumps
+    dumps: list = field(default_factory=list)        # [(file name, text)]
+    dump_dir: str | None = None                      # where they were written
+
+
+def _first_per_rank(passes) -> int:
+    return next((i for i, p in enumerate(PASSES) if p.per_rank and p in passes), len(PASSES))
+
+
+def _run(gm: fx.GraphModule, ctx: PassContext, passes, first: int, last: int, timings: dict, dumps=None):
+    """PASSES[first:last] that are enabled, in order; a copy is made before the first in-place pass, so
+    the graph given is never modified."""
+    owned = False
+    for i in range(first, last):
+        p = PASSES[i]
         if p not in passes:
             continue
         if p.in_place and not owned:
@@ -158,5 +176,36 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext) -> tuple:
         gm.graph.lint()
         timings[p.name] = time.perf_counter() - start
         if ctx.dump_dir:
-            D.dump_graph(gm, ctx.dump_dir, i, p.name)
+            name, text = f"{i + 1:02d}_{p.name}.txt", D.graph_text(gm, i + 1, p.name)
+            D.write_dump(ctx.dump_dir, name, text)       # written as it comes: a later pass may raise
+            if dumps is not None:
+                dumps.append((name, text))
+    return gm
+
+
+def run_mesh_passes(gm: fx.GraphModule, ctx: PassContext) -> MeshPlanned:
+    """The passes before the first per-rank one (``ctx.rank`` is read by none of them)."""
+    passes = check_pass_list(ctx.options.disable)
+    split, timings = _first_per_rank(passes), {}
+    dumps = []
+    if ctx.dump_dir:
+        dumps.append(("00_capture.txt", D.graph_text(gm, 0, "capture")))
+        D.write_dump(ctx.dump_dir, *dumps[0])
+    planned = _run(gm, ctx, passes, 0, split, timings, dumps)
+    return MeshPlanned(planned, timings, split, dumps, ctx.dump_dir)
+
+
+def run_rank_passes(planned: MeshPlanned, ctx: PassContext) -> tuple:
+    """The rest, for ``ctx.rank``: ``(final graph, {pass name: seconds})``; ``planned`` is left as it was."""
+    passes = check_pass_list(ctx.options.disable)
+    if ctx.dump_dir and ctx.dump_dir != planned.dump_dir:
+        for name, text in planned.dumps:
+            D.write_dump(ctx.dump_dir, name, text)
+    timings = dict(planned.timings)
+    gm = _run(planned.gm, ctx, passes, planned.next_index, len(PASSES), timings)
     return gm, timings
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext) -> tuple:
+    """Run the enabled passes in order: ``(final graph, {pass name: seconds})``."""
+    return run_rank_passes(run_mesh_passes(gm, ctx), ctx)

@@ -17,6 +17,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The tests compare against single-device models on the CPU: on a GPU machine too they run on gloo
 # (GPU checks are the benchmarks' job, one command each).
 os.environ.setdefault("AUTOSHARD_BACKEND", "gloo")
+# The generated kernels run in Triton's interpreter on the CPU. Triton reads TRITON_INTERPRET when
+# triton.language is first imported (its library functions are jit-wrapped then), so it is set here, before
+# any test module of a pytest worker can import it; set in the kernel tests' modules it was order-dependent.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 # Inductor compiles its C++ kernels in the rank itself, not in a pool of worker processes per rank (each
 # importing torch): test_inductor.py's tp=2 cases took 147 s against 169 s with cold caches
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")

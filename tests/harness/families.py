@@ -228,8 +228,7 @@ def run_tp(model, t: int, kwargs: dict, loss_fn, captured=None, **options):
     mesh = MeshSpec(tp=t)
     captured = captured or capture_model(model, kwargs)
     opts = autoshard.CompileOptions(**options)
-    programs = [autoshard.compile_rank(model, mesh, r, (), kwargs, options=opts, captured=captured)
-                for r in range(t)]
+    programs = autoshard.compile_ranks(model, mesh, None, (), kwargs, options=opts, captured=captured)
 
     def rank_main(r, comms):
         pm = ParallelModule(programs[r], model, comms)

@@ -128,7 +128,7 @@ def simulate(model, t, args=(), kwargs=None, loss_fn=None, **options):
     kwargs = kwargs or {}
     mesh = MeshSpec(tp=t)
     opts = autoshard.CompileOptions(**options)
-    programs = [autoshard.compile_rank(model, mesh, r, args, kwargs, options=opts) for r in range(mesh.size)]
+    programs = autoshard.compile_ranks(model, mesh, None, args, kwargs, options=opts)
 
     def rank_main(r, comms):
         pm = ParallelModule(programs[r], model, comms)

@@ -196,6 +196,30 @@ def test_compile_only_first_and_last_rank(tp, tmp_path):
     assert len(list(tmp_path.glob("[0-9][0-9]_*.txt"))) == len(PASSES) + 1  # capture + every pass, numbered
 
 
+@pytest.mark.parametrize("options", [dict(), dict(sequence_parallel=True, recompute=True),
+                                     dict(recompute="selective", disable=("fuse",))])
+def test_compile_ranks_shares_one_plan_and_matches_each_rank_alone(options, tmp_path):
+    """One capture and one plan for every rank (compile_ranks) gives each rank the program compile_rank
+    gives it alone (so the shared planned graph is left as it was for the next rank), and dumps every
+    enabled pass into every rank's directory."""
+    model = build("gpt", n_layer=2, n_head=4, n_embd=32, vocab_size=100, dropout=0.1)
+    args, _ = batch("gpt", 100)
+    alone = [autoshard.compile_rank(model, {"tp": 4}, r, args, **options) for r in (3, 0, 2)]
+    shared = autoshard.compile_ranks(model, {"tp": 4}, [3, 0, 2], args, dump=str(tmp_path), **options)
+    for a, b in zip(alone, shared):
+        assert b.gm.code == a.gm.code and b.rank == a.rank
+        assert [(p.name, p.spec, p.local_shape) for p in b.params] == [(p.name, p.spec, p.local_shape) for p in a.params]
+        assert b.collectives == a.collectives
+    files = sorted(f.name for f in tmp_path.glob("[0-9][0-9]_*.txt"))
+    assert files == sorted(f.name for f in (tmp_path / "rank3").glob("[0-9][0-9]_*.txt"))
+    assert len(files) == len(PASSES) + 1 - len(options.get("disable", ()))
+    assert (tmp_path / "rank2" / "plan.md").exists()
+    with pytest.raises(ValueError, match="ranks is empty"):
+        autoshard.compile_ranks(model, {"tp": 4}, [], args)
+    with pytest.raises(ValueError, match="rank"):
+        autoshard.compile_ranks(model, {"tp": 4}, [4], args)
+
+
 def test_collectives_match_megatron_count():
     """4-layer GPT at TP=2, loss only: 2 all-reduces per layer forward and 2 backward, like Megatron's
     hand-written layers (16), plus one for the embedding, one f for the LM head input, and two in the
