@@ -49,7 +49,8 @@ FOUR_RANKS = [
 
 
 DATA_PARALLEL = [   # (dp, pp, tp) on 4 ranks; each dp rank steps on its own rows of the global batch
-    ("gpt", dict(dp=2, tp=2), dict(microbatches=2), dict(n_layer=2)),
+    # pm(...) in train mode refuses (dp > 1 trains with pm.step); in eval mode it is the model's loss
+    ("gpt", dict(dp=2, tp=2), dict(microbatches=2, forwards=True), dict(n_layer=2)),
     ("gpt", dict(dp=2, pp=2), dict(microbatches=2, clip=0.05), GPT),
     ("gpt", dict(dp=4), dict(microbatches=2, bucket_bytes=4096), dict(n_layer=2)),   # many buckets, overlapped
     ("gpt", dict(dp=2, pp=2), dict(microbatches=2, zero=1), GPT),        # ZeRO-1 with the tied head on 2 stages
@@ -59,7 +60,7 @@ DATA_PARALLEL = [   # (dp, pp, tp) on 4 ranks; each dp rank steps on its own row
     ("gpt", dict(dp=2, tp=2), dict(microbatches=2, zero=1, fused=True, recompute="selective"),
      dict(n_layer=2, flash=False)),  # fused AdamW, ZeRO-1, the attention cores recomputed
     ("gpt", dict(dp=2, tp=2), dict(microbatches=2, zero=1, sequence_parallel=True), dict(n_layer=2)),
-    ("family", dict(dp=2, tp=2), dict(microbatches=2, zero=1),   # ZeRO-1 on a q|k|v held in rank order
+    ("family", dict(dp=2, tp=2), dict(microbatches=2, zero=1, forwards=True),   # ZeRO-1 on a q|k|v held in rank order
      dict(family="phi3", kv_heads=2, layers=2, hidden=64, heads=4, vocab=97)),
 ]
 

@@ -99,6 +99,7 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
     bucket = options.pop("bucket_bytes", None)      # dp buckets of this size, the first too (many all-reduces)
     fused = options.pop("fused", False)             # AdamW(fused=True) on both sides (runtime/fused_optim.py)
     evaluate = options.pop("eval", False)           # then pm.eval_batch against the model's eval-mode loss
+    forwards = options.pop("forwards", False)       # dp > 1, pp = 1: pm(...) refuses to train, evaluates exactly
     options.pop("expect", None)                     # the schedule the test expects "auto" to choose (_check)
     model, vocab = build_model(kind, cfg)
     ref = copy.deepcopy(model)
@@ -110,7 +111,8 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
         pm.post_receives_early = False
     if bucket is not None:
         pm.bucket_bytes = pm.first_bucket_bytes = bucket
-    if dp > 1 and mesh.get("pp", 1) == 1:   # a ParallelModule: eval forwards work, training ones must refuse
+    if forwards:       # a ParallelModule at dp > 1 (pp = 1): eval forwards work, training ones must refuse
+        assert dp > 1 and mesh.get("pp", 1) == 1, "forwards=True checks a dp > 1, pp = 1 module"
         local_args, local_kwargs = autoshard.local_batch((args, kwargs), device_mesh)
         try:
             pm(*local_args, **local_kwargs)
