@@ -2,7 +2,8 @@
 
 This is the one module in ``autoshard/`` that runs the compiler (``autoshard.passes``); the runtime never
 imports it. ``compile_rank`` is process-free (compile-only runs: dumps and unit tests of any rank of any
-mesh); ``parallelize`` calls it for this process's rank and instantiates the program as a
+mesh; ``compile_ranks`` does several ranks from one capture and one plan); ``parallelize`` calls it for
+this process's rank and instantiates the program as a
 ``ParallelModule`` bound to the mesh's process groups, handing it a compiler for new shapes and modes.
 """
 from __future__ import annotations
@@ -142,10 +143,14 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
     and are bound when it is instantiated (``ParallelModule(program, model, comms)``). The options are
     ``options=`` or ``parallelize``'s keywords (``loss_only=True``, ``dump="d"``, ...).
     """
-    options = _options(options, keywords, "compile_rank")
-    if keywords:
-        options = dataclasses.replace(options, pipeline=None)
+    options = _rank_options(options, keywords, "compile_rank")
     return compile_ranks(model, mesh, [rank], example_args, example_kwargs, options, captured, training)[0]
+
+
+def _rank_options(options: CompileOptions | None, keywords: dict, entry: str) -> CompileOptions | None:
+    """A single program's options: keywords make no pipeline (that is ``compile_pipeline``'s)."""
+    options = _options(options, keywords, entry)
+    return dataclasses.replace(options, pipeline=None) if keywords else options
 
 
 def compile_ranks(model: nn.Module, mesh, ranks=None, example_args=(), example_kwargs=None,
@@ -154,10 +159,10 @@ def compile_ranks(model: nn.Module, mesh, ranks=None, example_args=(), example_k
     """``compile_rank`` for each of ``ranks`` (default: every rank of ``mesh``), in one process: the
     model is captured once and the passes that every rank runs alike (through ``plan``) run once, so
     the ranks share one plan by construction and a tp=8 compile-only run costs one plan, not eight.
-    Returns the ``Program`` of each rank, in the order given."""
-    options = _options(options, keywords, "compile_ranks")
-    if keywords:
-        options = dataclasses.replace(options, pipeline=None)
+    Returns the ``Program`` of each rank, in the order given. Each program's ``compile_seconds`` and
+    ``timings`` count the shared capture and passes as its own (the time that rank alone would have taken
+    with them), so they are not to be summed over ranks."""
+    options = _rank_options(options, keywords, "compile_ranks")
     options = _recompute_resolved(options or CompileOptions(), model)
     spec = mesh_spec(mesh)
     if spec.pp > 1 and options.pipeline is None:
@@ -174,7 +179,8 @@ def compile_ranks(model: nn.Module, mesh, ranks=None, example_args=(), example_k
         captured = _capture(model, example_args, example_kwargs, options,
                             training if training is not None else model.training)
     pinned = _pins_by_graph_name(options, captured)
-    planned = run_mesh_passes(captured.gm, PassContext(spec, ranks[0], pinned, _rank_dump_dir(options, ranks[0])))
+    first = 0 if 0 in ranks else ranks[0]     # rank 0 says the shared passes' warnings, as one by one
+    planned = run_mesh_passes(captured.gm, PassContext(spec, first, pinned, _rank_dump_dir(options, first)))
     shared = time.perf_counter() - start
     programs = []
     for rank in ranks:

@@ -52,6 +52,11 @@ def format_graph(gm):
     return "\n".join(lines) + "\n"
 
 
+def dump_name(index: int, name: str) -> str:
+    """A pass's dump file: numbered in pass order (00 is the capture)."""
+    return f"{index:02d}_{name}.txt"
+
+
 def graph_text(gm, index, name) -> str:
     return f"# after pass {index}: {name}\n" + format_graph(gm)
 
@@ -60,7 +65,6 @@ def write_dump(dump_dir, file_name, text):
     os.makedirs(dump_dir, exist_ok=True)
     with open(os.path.join(dump_dir, file_name), "w") as f:
         f.write(text)
-
 
 
 def model_symbols(gm):

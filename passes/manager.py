@@ -5,7 +5,9 @@ torch's ``PassBase.requires/ensures``. ``check_pass_list`` checks the list again
 runs, so ``disable=("plan",)`` is a clear error instead of a missing key two passes later, and an
 unknown name in ``disable`` is an error too. ``run_passes`` lints the graph after every pass and, when
 dumping, writes a numbered text file of it. The captured graph is never modified: the first pass that
-works in place gets a copy.
+works in place gets a copy. The passes before the first ``per_rank`` one plan the same graph on every rank;
+``run_mesh_passes`` runs them once and ``run_rank_passes`` finishes the graph for each rank
+(``api.compile_ranks``: several ranks in one process share one capture and one plan).
 
 Where later features go (docs/architecture.md, "Where the next features go"): pipeline stage cuts are a
 pass before ``plan``; activation recompute and fusion are passes after ``overlap_grad_allreduce``, each a
@@ -65,7 +67,7 @@ class Pass:
     requires: tuple = ()          # MetaKeys it reads
     provides: tuple = ()          # MetaKeys it writes
     in_place: bool = True         # False: builds a new GraphModule and leaves its input untouched
-    per_rank: bool = False        # reads ctx.rank: it and every pass after it run once per rank
+    per_rank: bool = False        # its graph depends on ctx.rank: it and every pass after it run per rank
 
 
 CAPTURED = (M.KIND, M.NAME, M.REQUIRES_GRAD)   # what capture provides
@@ -141,27 +143,33 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class MeshPlanned:
-    """The graph after the passes that every rank of a mesh runs alike (those before the first ``per_rank``
-    pass: through ``plan``), so several ranks compiled in one process (``compile_ranks``: the simulator,
-    compile-only dumps) capture and plan once. ``dumps`` holds those passes' dump texts, for each rank's
-    directory, when dumping."""
+    """The graph after the passes that plan the same graph on every rank of a mesh (those before the first
+    ``per_rank`` pass: through ``plan``), so several ranks compiled in one process (``compile_ranks``: the
+    simulator, compile-only dumps) capture and plan once. Graph-level records made by those passes (the
+    plan report; under a pipeline the stage plan and the loss rewrite) are then shared by every rank's
+    program. ``dumps`` holds those passes' dump texts, copied into each rank's directory."""
     gm: fx.GraphModule
-    timings: dict
-    next_index: int                                  # the first per-rank pass's number in the dumps
-    dumps: list = field(default_factory=list)        # [(file name, text)]
-    dump_dir: str | None = None                      # where they were written
+    mesh: MeshSpec
+    options: CompileOptions
+    timings: dict                                     # pass name -> seconds
+    next_index: int                                   # PASSES index of the first per-rank pass
+    dumps: tuple = ()                                 # ((file name, text), ...)
+    dump_dir: str | None = None                       # where they were written as they came
 
 
-def _first_per_rank(passes) -> int:
-    return next((i for i, p in enumerate(PASSES) if p.per_rank and p in passes), len(PASSES))
+def _first_per_rank() -> int:
+    """Where the per-rank passes start, whether or not the first of them is enabled (so a rank's passes
+    never run on the shared graph itself)."""
+    return next(i for i, p in enumerate(PASSES) if p.per_rank)
 
 
-def _run(gm: fx.GraphModule, ctx: PassContext, passes, first: int, last: int, timings: dict, dumps=None):
-    """PASSES[first:last] that are enabled, in order; a copy is made before the first in-place pass, so
-    the graph given is never modified."""
-    owned = False
+def _run(gm: fx.GraphModule, ctx: PassContext, first: int, last: int, timings: dict, dumps: list | None = None):
+    """PASSES[first:last] that are enabled, in order, timed into ``timings``; a copy is made before the
+    first in-place pass, so the graph given is never modified. Each is dumped as it comes (a later pass
+    may raise), and its text kept in ``dumps`` when given."""
+    passes, owned = check_pass_list(ctx.options.disable), False
     for i in range(first, last):
         p = PASSES[i]
         if p not in passes:
@@ -176,33 +184,38 @@ def _run(gm: fx.GraphModule, ctx: PassContext, passes, first: int, last: int, ti
         gm.graph.lint()
         timings[p.name] = time.perf_counter() - start
         if ctx.dump_dir:
-            name, text = f"{i + 1:02d}_{p.name}.txt", D.graph_text(gm, i + 1, p.name)
-            D.write_dump(ctx.dump_dir, name, text)       # written as it comes: a later pass may raise
-            if dumps is not None:
-                dumps.append((name, text))
+            _dump(ctx.dump_dir, dumps, D.dump_name(i + 1, p.name), D.graph_text(gm, i + 1, p.name))
     return gm
 
 
+def _dump(dump_dir: str, kept: list | None, name: str, text: str) -> None:
+    D.write_dump(dump_dir, name, text)
+    if kept is not None:
+        kept.append((name, text))
+
+
 def run_mesh_passes(gm: fx.GraphModule, ctx: PassContext) -> MeshPlanned:
-    """The passes before the first per-rank one (``ctx.rank`` is read by none of them)."""
-    passes = check_pass_list(ctx.options.disable)
-    split, timings = _first_per_rank(passes), {}
-    dumps = []
+    """The passes before the first per-rank one. None of them makes its graph depend on ``ctx.rank``
+    (``microbatch_loss`` reads it only to warn once, on rank 0)."""
+    check_pass_list(ctx.options.disable)
+    split, timings, dumps = _first_per_rank(), {}, []
     if ctx.dump_dir:
-        dumps.append(("00_capture.txt", D.graph_text(gm, 0, "capture")))
-        D.write_dump(ctx.dump_dir, *dumps[0])
-    planned = _run(gm, ctx, passes, 0, split, timings, dumps)
-    return MeshPlanned(planned, timings, split, dumps, ctx.dump_dir)
+        _dump(ctx.dump_dir, dumps, D.dump_name(0, "capture"), D.graph_text(gm, 0, "capture"))
+    planned = _run(gm, ctx, 0, split, timings, dumps)
+    return MeshPlanned(planned, ctx.mesh, ctx.options, timings, split, tuple(dumps), ctx.dump_dir)
 
 
 def run_rank_passes(planned: MeshPlanned, ctx: PassContext) -> tuple:
-    """The rest, for ``ctx.rank``: ``(final graph, {pass name: seconds})``; ``planned`` is left as it was."""
-    passes = check_pass_list(ctx.options.disable)
+    """The rest, for ``ctx.rank``: ``(final graph, {pass name: seconds})``; ``planned`` is left as it was
+    (its timings are included: each rank's program reports the shared passes as its own)."""
+    if (ctx.mesh, ctx.options) != (planned.mesh, planned.options):
+        raise ValueError(f"run_rank_passes: the graph was planned for mesh {planned.mesh} with other options "
+                         f"than this rank's context ({ctx.mesh}): plan it again with run_mesh_passes")
     if ctx.dump_dir and ctx.dump_dir != planned.dump_dir:
         for name, text in planned.dumps:
             D.write_dump(ctx.dump_dir, name, text)
     timings = dict(planned.timings)
-    gm = _run(planned.gm, ctx, passes, planned.next_index, len(PASSES), timings)
+    gm = _run(planned.gm, ctx, planned.next_index, len(PASSES), timings)
     return gm, timings
 
 

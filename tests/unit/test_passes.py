@@ -216,8 +216,8 @@ def test_compile_ranks_shares_one_plan_and_matches_each_rank_alone(options, tmp_
     assert (tmp_path / "rank2" / "plan.md").exists()
     with pytest.raises(ValueError, match="ranks is empty"):
         autoshard.compile_ranks(model, {"tp": 4}, [], args)
-    with pytest.raises(ValueError, match="rank"):
-        autoshard.compile_ranks(model, {"tp": 4}, [4], args)
+    with pytest.raises(ValueError, match="rank 4"):
+        autoshard.compile_ranks(model, {"tp": 4}, [0, 4], args)
 
 
 def test_collectives_match_megatron_count():
