@@ -181,6 +181,7 @@ def compile_ranks(model: nn.Module, mesh, ranks=None, example_args=(), example_k
     pinned = _pins_by_graph_name(options, captured)
     first = 0 if 0 in ranks else ranks[0]     # rank 0 says the shared passes' warnings, as one by one
     planned = run_mesh_passes(captured.gm, PassContext(spec, first, pinned, _rank_dump_dir(options, first)))
+    symbols = D.model_symbols(captured.gm)
     shared = time.perf_counter() - start
     programs = []
     for rank in ranks:
@@ -188,7 +189,7 @@ def compile_ranks(model: nn.Module, mesh, ranks=None, example_args=(), example_k
         out = _rank_dump_dir(options, rank)
         local, timings = run_rank_passes(planned, PassContext(spec, rank, pinned, out))
         prog = Program(local, captured, spec, rank, options, param_records(local), collective_records(local),
-                       D.model_symbols(captured.gm), local.meta.get(M.PLAN_REPORT), timings,
+                       symbols, local.meta.get(M.PLAN_REPORT), timings,
                        compile_seconds=shared + time.perf_counter() - start)
         if out:
             D.write_plan(prog, out)

@@ -197,7 +197,6 @@ def _dump(dump_dir: str, kept: list | None, name: str, text: str) -> None:
 def run_mesh_passes(gm: fx.GraphModule, ctx: PassContext) -> MeshPlanned:
     """The passes before the first per-rank one. None of them makes its graph depend on ``ctx.rank``
     (``microbatch_loss`` reads it only to warn once, on rank 0)."""
-    check_pass_list(ctx.options.disable)
     split, timings, dumps = _first_per_rank(), {}, []
     if ctx.dump_dir:
         _dump(ctx.dump_dir, dumps, D.dump_name(0, "capture"), D.graph_text(gm, 0, "capture"))

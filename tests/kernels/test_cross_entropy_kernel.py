@@ -2,16 +2,12 @@
 fp32 exact against the composed ops and torch's cross_entropy, bf16 against an fp32 reference, with
 padded vocab columns, ignore_index and label smoothing, and inside a tp=2 program on gloo."""
 import copy
-import os
 
-# before triton is imported (as in test_fusion.py): triton reads it once, at import
-os.environ["TRITON_INTERPRET"] = "1"
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from autoshard.runtime.chunked_loss import ChunkedLinearCrossEntropy  # noqa: E402
-from tests.harness.parity_checks import rel  # noqa: E402
+from autoshard.runtime.chunked_loss import ChunkedLinearCrossEntropy
+from tests.harness.parity_checks import rel
 
 
 @pytest.fixture(autouse=True)
@@ -56,7 +52,6 @@ def test_bf16_against_an_fp32_reference():
 
 
 def _tp2(rank, world):
-    os.environ["TRITON_INTERPRET"] = "1"
     import autoshard
     from tests.harness.models import batch, build
     model = build("gpt", vocab_size=97)

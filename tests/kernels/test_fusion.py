@@ -7,15 +7,9 @@ HF model): fused and unfused give the same loss and gradients.
 """
 from __future__ import annotations
 
-import os
-
-# before triton is imported: triton reads it once, at import, so it holds for the whole pytest run (a
-# fixture would come too late for modules imported at collection)
-os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import pytest
+import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 # masked lanes (padding columns, -1e4 scores) overflow in numpy inside the interpreter; they are never stored
