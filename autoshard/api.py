@@ -9,12 +9,9 @@ this process's rank and instantiates the program as a
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import itertools
 import logging
 import os
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -23,84 +20,21 @@ import torch.nn as nn
 from autoshard.ir import meta as M
 from autoshard.ir.options import PIPELINE_KEYWORDS, CompileOptions, PipelineOptions, dump_dir, options_from_keywords
 from autoshard.ir.pipeline import LOSS_REWRITE, STAGE_PLAN, PipelineProgram
+from autoshard.captures import CaptureCache, capture_model
 from autoshard.ir.program import Captured, Program
 from autoshard.ir.schedule import add_communication, make_schedule, validate
 from autoshard.mesh import group_timeout, mesh_spec
 from autoshard.passes import dump as D
-from autoshard.passes.capture import capture
 from autoshard.passes.dump_pipeline import write_pipeline
 from autoshard.passes.lower import collective_records, param_records
 from autoshard.passes.manager import PassContext, check_pass_list, run_mesh_passes, run_passes, run_rank_passes
-from autoshard.passes.mixed_precision import COMPUTE_DTYPES, capture_in
 from autoshard.passes.stages import split_chunks
 from autoshard.planner.memory_ladder import memory_options
 from autoshard.runtime.comm import comms_for_mesh
-from autoshard.runtime.device import to_device
 from autoshard.runtime.module import ParallelModule
 from autoshard.runtime.microbatch import row_counts, split_batch
 
 log = logging.getLogger("autoshard")
-
-
-@contextmanager
-def _mode(model: nn.Module, training):
-    if training is None or training == model.training:
-        yield
-        return
-    was = model.training
-    model.train(training)
-    try:
-        yield
-    finally:
-        model.train(was)
-
-
-@contextmanager
-def _with_loss(model, loss_fn, kwargs):
-    """The model's forward followed by ``loss_fn(output, target)``, with ``target`` a keyword of the call:
-    torch.distributed.pipelining's convention (``schedule.step(x, target=y)``), so a model that returns
-    logits trains with ``pm.step(x, target=y)``. The loss is traced with the model, so the compiler sees
-    (and makes exact over microbatches) a mean-reduced cross-entropy like any other."""
-    if loss_fn is None:
-        yield
-        return
-    if "target" not in kwargs:
-        raise ValueError("loss_fn= is given, so this call needs target=: pass the targets as a keyword, "
-                         "parallelize(model, mesh, (x,), {'target': y}, loss_fn=...) and pm.step(x, target=y) "
-                         "(pm(x) without target= returns the model's output)")
-    if "target" in inspect.signature(model.forward).parameters:
-        raise ValueError(f"loss_fn= takes target= for the loss, but {type(model).__name__}.forward has a 'target' "
-                         "parameter of its own: compute the loss in the model and drop loss_fn, or rename it")
-    own = model.__dict__.get("forward")            # an instance-level forward (a hook library's) is kept
-    inner = model.forward
-
-    def forward(*args, target, **kw):
-        return loss_fn(inner(*args, **kw), target)
-    model.forward = forward
-    try:
-        yield
-    finally:
-        if own is None:
-            del model.forward
-        else:
-            model.forward = own
-
-
-def _capture(model, args, kwargs, options: CompileOptions, training: bool) -> Captured:
-    """The model as export sees it in ``training`` mode (a bf16 twin under mixed precision), with
-    ``options.loss_fn`` after it when given."""
-    def trace(traced):
-        # traced where the model is (a CPU model, GPU batches): the program runs on the mesh's device
-        # whatever device it was traced on (runtime/device.py)
-        where = next((t.device for t in itertools.chain(traced.parameters(), traced.buffers())), None)
-        a, kw = (to_device((tuple(args), kwargs), where) if where is not None and where.type != "meta"
-                 else (tuple(args), kwargs))
-        kw = dict(kw or {})
-        with _mode(traced, training), _with_loss(traced, options.loss_fn, kw):
-            return capture(traced, tuple(a), kw)
-    if options.mixed_precision:
-        return capture_in(model, COMPUTE_DTYPES[options.mixed_precision], trace)
-    return trace(model)
 
 
 def _recompute_resolved(options: CompileOptions, model: nn.Module) -> CompileOptions:
@@ -135,7 +69,7 @@ def _options(options: CompileOptions | None, keywords: dict, entry: str) -> Comp
 
 def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwargs=None,
                  options: CompileOptions | None = None, captured: Captured | None = None,
-                 training: bool | None = None, **keywords) -> Program:
+                 training: bool | None = None, captures: CaptureCache | None = None, **keywords) -> Program:
     """Compile ``model`` for global ``rank`` of ``mesh`` (a DeviceMesh, a MeshSpec or ``{"tp": 4}``), in
     ``training`` mode (default: the model's current mode).
 
@@ -144,7 +78,8 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
     ``options=`` or ``parallelize``'s keywords (``loss_only=True``, ``dump="d"``, ...).
     """
     options = _rank_options(options, keywords, "compile_rank")
-    return compile_ranks(model, mesh, [rank], example_args, example_kwargs, options, captured, training)[0]
+    return compile_ranks(model, mesh, [rank], example_args, example_kwargs, options, captured, training,
+                         captures=captures)[0]
 
 
 def _rank_options(options: CompileOptions | None, keywords: dict, entry: str) -> CompileOptions | None:
@@ -155,13 +90,14 @@ def _rank_options(options: CompileOptions | None, keywords: dict, entry: str) ->
 
 def compile_ranks(model: nn.Module, mesh, ranks=None, example_args=(), example_kwargs=None,
                   options: CompileOptions | None = None, captured: Captured | None = None,
-                  training: bool | None = None, **keywords) -> list:
+                  training: bool | None = None, captures: CaptureCache | None = None, **keywords) -> list:
     """``compile_rank`` for each of ``ranks`` (default: every rank of ``mesh``), in one process: the
     model is captured once and the passes that every rank runs alike (through ``plan``) run once, so
     the ranks share one plan by construction and a tp=8 compile-only run costs one plan, not eight.
     Returns the ``Program`` of each rank, in the order given. Each program's ``compile_seconds`` and
     ``timings`` count the shared capture and passes as its own (the time that rank alone would have taken
-    with them), so they are not to be summed over ranks."""
+    with them), so they are not to be summed over ranks. ``captured`` is the model already captured for
+    these inputs; ``captures``, a ``CaptureCache`` to take the capture from (or add it to)."""
     options = _rank_options(options, keywords, "compile_ranks")
     options = _recompute_resolved(options or CompileOptions(), model)
     spec = mesh_spec(mesh)
@@ -176,8 +112,8 @@ def compile_ranks(model: nn.Module, mesh, ranks=None, example_args=(), example_k
     check_pass_list(options.disable)
     start = time.perf_counter()
     if captured is None:
-        captured = _capture(model, example_args, example_kwargs, options,
-                            training if training is not None else model.training)
+        captured = _captured(captures, model, example_args, example_kwargs, options,
+                             training if training is not None else model.training)
     pinned = _pins_by_graph_name(options, captured)
     first = 0 if 0 in ranks else ranks[0]     # rank 0 says the shared passes' warnings, as one by one
     planned = run_mesh_passes(captured.gm, PassContext(spec, first, pinned, _rank_dump_dir(options, first)))
@@ -197,6 +133,10 @@ def compile_ranks(model: nn.Module, mesh, ranks=None, example_args=(), example_k
     return programs
 
 
+def _captured(captures: CaptureCache | None, model, args, kwargs, options, training: bool) -> Captured:
+    return (captures.get if captures is not None else capture_model)(model, args, kwargs, options, training)
+
+
 def _pins_by_graph_name(options: CompileOptions, captured) -> CompileOptions:
     """A pin given under a tied weight's other name (``lm_head.weight``) applies to the one tensor, which
     the graph knows by its first name (``model.embed_tokens.weight``)."""
@@ -206,14 +146,16 @@ def _pins_by_graph_name(options: CompileOptions, captured) -> CompileOptions:
 
 
 def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example_kwargs=None,
-                     options: CompileOptions | None = None, training: bool = True, **keywords) -> PipelineProgram:
+                     options: CompileOptions | None = None, training: bool = True,
+                     captures: CaptureCache | None = None, **keywords) -> PipelineProgram:
     """Compile ``model``'s training step for global ``rank`` of ``mesh`` as a pipeline of ``pp x v`` stages
     over ``options.pipeline.microbatches`` microbatches. The example inputs are the whole batch.
 
     The model is captured on one microbatch and planned for tensor parallelism as one graph (so every
     boundary and every tied weight has one placement), then cut into stages (``passes/stages.py``). Every
     rank compiles every stage, so all ranks agree on the plan; each runs its own. The options are
-    ``options=`` or ``parallelize``'s keywords (``microbatches=8, schedule="interleaved"``, ...)."""
+    ``options=`` or ``parallelize``'s keywords (``microbatches=8, schedule="interleaved"``, ...);
+    ``captures``, a ``CaptureCache`` to take the microbatch's capture from (or add it to)."""
     options = _options(options, keywords, "compile_pipeline") or CompileOptions(pipeline=PipelineOptions())
     if options.pipeline is None:
         options = dataclasses.replace(options, pipeline=PipelineOptions())
@@ -227,7 +169,7 @@ def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example
     validate(schedule)
     leaves, in_spec = torch.utils._pytree.tree_flatten((tuple(example_args), dict(example_kwargs or {})))
     args, kwargs = torch.utils._pytree.tree_unflatten(split_batch(leaves, popts.microbatches)[0], in_spec)
-    captured = _capture(model, args, kwargs, options, training)
+    captured = _captured(captures, model, args, kwargs, options, training)
     out = _rank_dump_dir(options, rank)
     local, timings = run_passes(captured.gm, PassContext(spec, rank, _pins_by_graph_name(options, captured), out))
     plan = local.meta[STAGE_PLAN]
@@ -431,8 +373,9 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
                          "use autoshard.compile_rank for compile-only runs")
     rank = dist.get_rank() if dist.is_initialized() else 0
     options, memory = _memory_limited(model, spec, example_args, example_kwargs, options, fixed, rank)
+    captures = CaptureCache()       # one trace per call signature, whichever of this module's programs asks
     if spec.pp > 1:
-        program = compile_pipeline(model, spec, rank, example_args, example_kwargs, options)
+        program = compile_pipeline(model, spec, rank, example_args, example_kwargs, options, captures=captures)
         _dump_memory(memory, options, rank)
         comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
         peers = spec.group_ranks(rank, "pp")
@@ -448,21 +391,21 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
             if popts.schedule == "auto" and program.schedule.virtual == 2:   # auto chose ZB-V: its 2p stages
                 popts = dataclasses.replace(popts, schedule="zb-v")
             later = dataclasses.replace(options, pins={**pins, **options.pins}, dump=None, pipeline=popts)
-            return compile_pipeline(model, spec, rank, args, kwargs, later, training=training)
+            return compile_pipeline(model, spec, rank, args, kwargs, later, training=training, captures=captures)
         pm = ParallelModule(program, model, comms, mesh["tp"] if real_mesh else None, step_compiler=twin_compiler,
                             max_programs=max_programs, peers=peers, tie_groups=ties, p2p_groups=p2p)
-        pm.memory_choice = memory
+        pm.memory_choice, pm.captures = memory, captures
         return pm
     step_options = options
     options = dataclasses.replace(options, pipeline=None)
-    prog = compile_rank(model, spec, rank, example_args, example_kwargs, options)
+    prog = compile_rank(model, spec, rank, example_args, example_kwargs, options, captures=captures)
     _dump_memory(memory, options, rank)
 
     def compiler(args, kwargs, training, pinned):
         # a forward call without target= (pm.eval(); pm(x)) runs the model alone and returns its output
         loss = options.loss_fn if "target" in (kwargs or {}) else None
         later = dataclasses.replace(options, pins={**pinned, **options.pins}, dump=None, loss_fn=loss)
-        return compile_rank(model, spec, rank, args, kwargs, later, training=training)
+        return compile_rank(model, spec, rank, args, kwargs, later, training=training, captures=captures)
 
     pins = {r.name: r.spec.tp for r in prog.params}   # every step program shares the forward's shards
 
@@ -473,12 +416,12 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
             popts = dataclasses.replace(popts, stretches=())
         later = dataclasses.replace(step_options, pins={**pins, **options.pins},
                                     dump=out and training and f"{out}/step" or None, pipeline=popts)
-        return compile_pipeline(model, spec, rank, args, kwargs, later, training=training)
+        return compile_pipeline(model, spec, rank, args, kwargs, later, training=training, captures=captures)
 
     comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
     tp_mesh = mesh["tp"] if real_mesh else None
     pm = ParallelModule(prog, model, comms, tp_mesh, compiler=compiler, step_compiler=step_compiler,
                         max_programs=max_programs)
     pm.zero = step_options.pipeline.zero if step_options.pipeline is not None else 0
-    pm.memory_choice = memory
+    pm.memory_choice, pm.captures = memory, captures
     return pm

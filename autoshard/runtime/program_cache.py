@@ -30,11 +30,12 @@ def _checked(limit) -> int:
 class ProgramCache(Generic[V]):
     """The ``limit`` most recently used values by key; ``on_drop(value)`` runs on each one dropped.
     ``limit`` is an int, or a function giving it (the owner's ``max_programs``, which a user may change
-    after building the module)."""
+    after building the module). ``quiet``: a drop is not logged (a cache of something cheap to remake)."""
 
-    def __init__(self, limit: int | Callable[[], int], what: str, on_drop: Callable[[V], None] | None = None):
+    def __init__(self, limit: int | Callable[[], int], what: str, on_drop: Callable[[V], None] | None = None,
+                 quiet: bool = False):
         self._limit = limit if callable(limit) else _checked(limit)
-        self.what, self._on_drop = what, on_drop
+        self.what, self._on_drop, self._quiet = what, on_drop, quiet
         self._entries: OrderedDict = OrderedDict()
 
     @property
@@ -56,9 +57,10 @@ class ProgramCache(Generic[V]):
             old_key, old = self._entries.popitem(last=False)
             if self._on_drop is not None:
                 self._on_drop(old)
-            log.info("autoshard: dropped the least recently used %s (%s) to keep %d; it compiles again if its "
-                     "inputs come back (parallelize(max_programs=...) keeps more)", self.what,
-                     getattr(old_key, "inputs", old_key), self.limit)
+            if not self._quiet:
+                log.info("autoshard: dropped the least recently used %s (%s) to keep %d; it compiles again if its "
+                         "inputs come back (parallelize(max_programs=...) keeps more)", self.what,
+                         getattr(old_key, "inputs", old_key), self.limit)
         return value
 
     def __contains__(self, key) -> bool:

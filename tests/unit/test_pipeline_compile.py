@@ -331,3 +331,48 @@ def test_the_balancer_prices_a_send_as_the_runtime_makes_it():
     assert p2p[False, False] == pytest.approx(1e-5 + boundary / 10e9)
     assert p2p[True, False] == p2p[True, True] == pytest.approx(1e-5 + boundary / 2 / 10e9)
     assert p2p[False, True] == pytest.approx(1e-5 + 2e-6 + boundary / 2 / 10e9 + boundary / 2 / 100e9)
+
+
+def test_the_forward_and_step_programs_of_one_call_share_one_trace():
+    """At pp=1 parallelize compiles the forward program and pm.step a step program for the same batch
+    (one microbatch): the module's CaptureCache traces the model once for both, and again only for a
+    new mode or shape. The step is still the single-device model's loss and gradients."""
+    model = build("hf")
+    _, kw = batch("hf", 101, B=2, T=8)
+    kw |= {"attention_mask": torch.ones_like(kw["input_ids"]), "use_cache": False}
+    ref = copy.deepcopy(model)
+    want = ref(**kw).loss
+    want.backward()
+    pm = autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (), kw)
+    assert pm.captures.traced == 1
+    got = pm.step(**kw)
+    assert pm.captures.traced == 1                      # the forward program's trace
+    assert abs(float(got) - float(want)) <= 1e-6 * float(want)
+    grads = dict(ref.named_parameters())
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, rtol=1e-5, atol=1e-7)
+    pm.eval()
+    with torch.no_grad():
+        assert abs(float(pm(**kw).loss) - float(want)) <= 1e-6 * float(want)
+    assert pm.captures.traced == 2                      # eval mode: a trace of its own ...
+    assert abs(float(pm.eval_batch(**kw)) - float(want)) <= 1e-6 * float(want)
+    assert pm.captures.traced == 2                      # ... shared by the eval step
+    _, short = batch("hf", 101, B=2, T=6)
+    pm.eval_batch(**short)
+    assert pm.captures.traced == 3                      # another shape
+
+
+def test_capture_cache_keys_on_what_a_trace_depends_on():
+    from autoshard.captures import CaptureCache
+    from autoshard.ir.options import CompileOptions
+    model = build("gpt")
+    (idx, tgt), _ = batch("gpt", 96)
+    cache, plain = CaptureCache(limit=8), CompileOptions()
+    first = cache.get(model, (idx, tgt), None, plain, True)
+    assert cache.get(model, (idx + 1, tgt), {}, plain, True) is first          # other values, same trace
+    others = [cache.get(model, (idx[:, :4].contiguous(), tgt[:, :4].contiguous()), None, plain, True),  # shape
+              cache.get(model, (idx, tgt), None, plain, False),                  # mode
+              cache.get(model, (idx,), None, plain, True),                       # structure
+              cache.get(model, (idx, tgt), None, CompileOptions(mixed_precision="bf16"), True)]
+    assert len({id(c) for c in [first, *others]}) == 5 and cache.traced == 5
+    assert others[-1].gm is not first.gm and cache.get(model, (idx, tgt), None, plain, True) is first
