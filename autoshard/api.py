@@ -319,7 +319,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     ``memory_limit`` bytes per rank; ``scatter_gather`` sends a boundary every tp rank holds whole as 1/t
     slices ("auto": on NCCL).
     With a ``dp`` axis each dp rank passes its own rows of the global batch (``autoshard.local_batch``)
-    and ``pm.step`` returns the global batch's loss; ``zero=1`` makes ``pm.optimizer(cls, ...)`` shard
+    and ``pm.step`` returns the global batch's loss (at pp = 1 the step program is then the one compiled
+    here, since ``pm(...)`` trains at dp = 1 only; an eval forward compiles on first use); ``zero=1`` makes ``pm.optimizer(cls, ...)`` shard
     the optimizer state over dp (ZeRO-1).
 
     ``fuse`` runs chains of pointwise ops and row reductions (bias, dropout, residual add, LayerNorm,
@@ -398,8 +399,7 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
         return pm
     step_options = options
     options = dataclasses.replace(options, pipeline=None)
-    prog = compile_rank(model, spec, rank, example_args, example_kwargs, options, captures=captures)
-    _dump_memory(memory, options, rank)
+    pins = {}                      # the first program's placements: every later program shares its shards
 
     def compiler(args, kwargs, training, pinned):
         # a forward call without target= (pm.eval(); pm(x)) runs the model alone and returns its output
@@ -407,16 +407,25 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
         later = dataclasses.replace(options, pins={**pinned, **options.pins}, dump=None, loss_fn=loss)
         return compile_rank(model, spec, rank, args, kwargs, later, training=training, captures=captures)
 
-    pins = {r.name: r.spec.tp for r in prog.params}   # every step program shares the forward's shards
-
-    def step_compiler(args, kwargs, training):
-        out = dump_dir(options.dump)   # the step program's dumps go beside the forward's, in step/
+    def step_program(args, kwargs, training, dump):
         popts = _fitting_microbatches(step_options.pipeline or PipelineOptions(), spec.pp, args, kwargs)
         if not training:               # pm.eval_batch: one stage, as the training step's
             popts = dataclasses.replace(popts, stretches=())
-        later = dataclasses.replace(step_options, pins={**pins, **options.pins},
-                                    dump=out and training and f"{out}/step" or None, pipeline=popts)
+        later = dataclasses.replace(step_options, pins={**pins, **options.pins}, dump=dump, pipeline=popts)
         return compile_pipeline(model, spec, rank, args, kwargs, later, training=training, captures=captures)
+
+    def step_compiler(args, kwargs, training):
+        out = dump_dir(options.dump)   # a later step program's dumps go beside the first program's, in step/
+        return step_program(args, kwargs, training, out and training and f"{out}/step" or None)
+
+    if spec.dp > 1:
+        # pm(...) does not train at dp > 1 (pm.step sums the gradients over dp): the first program is the
+        # training step's, and an eval forward compiles its own on first use
+        prog = step_program(example_args, example_kwargs, True, options.dump)
+    else:
+        prog = compile_rank(model, spec, rank, example_args, example_kwargs, options, captures=captures)
+    pins.update({r.name: r.spec.tp for r in prog.params})
+    _dump_memory(memory, options, rank)
 
     comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
     tp_mesh = mesh["tp"] if real_mesh else None

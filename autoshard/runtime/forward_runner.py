@@ -5,6 +5,10 @@ eval: dropout and anything else export bakes in). ``run`` looks the call up in a
 miss, compiles a new program through ``compiler`` (a callable the API hands in; the runtime never
 imports the compiler), with every parameter pinned to the placement it already has, so all programs
 share the module's shards. As ``torch.compile`` does on a new shape, and logged.
+
+A module built from a step program (pp = 1 with dp > 1, where ``pm(...)`` does not train and ``pm.step``
+does) starts with no forward program: the first ``pm(...)`` (an eval forward) compiles one, pinned to
+the step program's placements.
 """
 from __future__ import annotations
 
@@ -40,12 +44,17 @@ class Bound:
 
 
 class ForwardRunner:
-    """The forward programs of ``module``: the first (the example inputs') and those compiled since."""
+    """The forward programs of ``module``: the first (the example inputs', or None when the module was
+    built from a step program) and those compiled since."""
 
-    def __init__(self, module, first: Program, compiler=None):
+    def __init__(self, module, first: Program | None, compiler=None):
         self.module, self.first, self.compiler = module, first, compiler
         self.programs = ProgramCache(lambda: module.max_programs, "program")
         self.compile_log = []            # (ProgramKey, seconds) per program compiled after the first
+        if first is None:
+            if compiler is None:
+                raise ValueError("a module with no forward program needs the compiler to make one")
+            return
         self.check_ranks_agree(first)
         captured = first.captured
         sig = tuple(leaf + (rg,) if isinstance(leaf, tuple) and len(leaf) == 2 and isinstance(leaf[1], torch.dtype)
@@ -66,17 +75,18 @@ class ForwardRunner:
         found = self.programs.get(key)
         if found is not None:
             return found
-        first = self.first
-        check_dtype_kinds(leaves, first.captured)     # dtypes are in the key: only a new program can be wrong
+        captured, microbatches = self.module.first_capture()
+        check_dtype_kinds(leaves, captured)     # dtypes are in the key: only a new program can be wrong
         if self.compiler is None:
-            _explain_mismatch(leaves, spec, first)
+            _explain_mismatch(leaves, spec, self.first)
         start = time.perf_counter()
         args, kwargs = pytree.tree_unflatten(leaves, spec)
-        pins = {r.name: r.spec.tp for r in first.params}
-        with naming_new_shapes(leaves, first.captured):
+        held = self.module.params.records.values()        # every program shares the module's shards
+        pins = {r.name: r.spec.tp for r in held}
+        with naming_new_shapes(leaves, captured, microbatches):
             program = self.compiler(args, kwargs, training, pins)
         theirs = {(r.name, r.global_shape) for r in program.params}
-        ours = {(r.name, r.global_shape) for r in first.params}
+        ours = {(r.name, r.global_shape) for r in held}
         if not theirs <= ours:
             raise RuntimeError(f"the {'train' if training else 'eval'}-mode program for these inputs reads "
                                f"parameters the first one did not: {sorted(theirs - ours)}")

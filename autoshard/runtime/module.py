@@ -46,7 +46,9 @@ class ParallelModule(training.TrainingMethods, nn.Module):
     """This rank's shards of a parallelized model, run by its compiled programs (any torch optimizer).
 
     ``program`` is the first compiled: a ``Program`` (pp = 1: ``forward`` takes the model's inputs and
-    returns its outputs) or a ``PipelineProgram`` (this rank's stages: train with ``step``). ``comms``
+    returns its outputs) or a ``PipelineProgram`` (this rank's stages: train with ``step``; at pp = 1, where
+    ``parallelize`` starts from the step program at dp > 1, ``forward`` compiles its programs on first
+    use). ``comms``
     maps each mesh axis to this rank's ``AxisComm`` (``None``: single-rank communicators); ``tp_mesh`` (a
     1-D DeviceMesh) makes the parameters DTensors. ``peers[i]`` is the global rank of pipeline rank i;
     ``tie_groups`` maps a weight held on several pp ranks to their process group; ``p2p_groups`` maps
@@ -75,6 +77,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self._stages_fixed = False           # True once a pipeline rank's buffers are those of its stages
         # --- the pipeline around this rank (pp = 1: none) ----------------------------------------------
         pipelined = isinstance(program, PipelineProgram)
+        staged = pipelined and program.mesh.pp > 1         # this rank holds some of the stages only
         self.peers = peers or [program.rank]
         self.tie_groups = dict(tie_groups or {})
         self.p2p_groups = dict(p2p_groups or {})
@@ -93,15 +96,15 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self.measure_memory = dump_dir(program.options.dump) is not None
         self._check_every = check_replicas_every()
         self._steps = 0                      # training forwards run by pm(...)
-        self.train(model.training if not pipelined else True)
+        self.train(model.training if not staged else True)
         training.check_same_weights(model, "parallelize", program.mesh.size)   # tp, dp, pp ranks and tied copies
         # --- the runners ----------------------------------------------------------------------------------
         self._step_compiler = step_compiler
-        self._forward = None if pipelined else ForwardRunner(self, program, compiler)
+        self._forward = None if staged else ForwardRunner(self, None if pipelined else program, compiler)
         self._first_runner = StepRunner(self, program) if pipelined else None
         # a pipeline rank holds the buffers of its training stages: another program reading one it does not
         # hold would read the model's initial value, not what was loaded since
-        self._stages_fixed = pipelined
+        self._stages_fixed = staged
         self._runners = ProgramCache(lambda: self.max_programs, "step program", on_drop=lambda r: r.close())
         self.runner = self._first_runner     # the runner of the last step (timelines read it)
         training.register_state_dict_names(self)
@@ -136,13 +139,21 @@ class ParallelModule(training.TrainingMethods, nn.Module):
     @property
     def program(self) -> Program | PipelineProgram:
         """The first program compiled (the example inputs', in the model's mode at parallelize time)."""
-        return self._forward.first if self._forward is not None else self._first_runner.program
+        return self._first_runner.program if self._first_runner is not None else self._forward.first
+
+    def first_capture(self) -> tuple:
+        """``(Captured, microbatches)`` of the first program: what a new call's inputs are checked against
+        (a step program's capture is one microbatch of its batch)."""
+        first = self._first_runner
+        return self.program.captured, (first.schedule.microbatches if first is not None else 1)
 
     @property
     def programs(self) -> list:
-        if self._forward is not None:
-            return [b.program for b in self._forward.programs.values()]
-        return [self._first_runner.program] + [r.program for r in self._runners.values()]
+        """The forward programs held now; a module built from a step program lists the step programs first."""
+        forwards = [b.program for b in self._forward.programs.values()] if self._forward is not None else []
+        if self._first_runner is None:
+            return forwards
+        return [self._first_runner.program] + [r.program for r in self._runners.values()] + forwards
 
     @property
     def forward_graphs(self) -> list:
@@ -181,13 +192,13 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         key = program_key(training, leaves, spec)
         runner = self._runners.get(key)
         if runner is None:
-            check_dtype_kinds(leaves, self.program.captured)     # before a step program is compiled for them
+            captured, m = self.first_capture()
+            check_dtype_kinds(leaves, captured)     # before a step program is compiled for them
             if self._step_compiler is None:
                 raise RuntimeError("pm.step for another batch shape or mode needs the compiler: build the module "
                                    "with autoshard.parallelize")
             start = time.perf_counter()
-            m = first.schedule.microbatches if first is not None else 1
-            with naming_new_shapes(leaves, self.program.captured, m):
+            with naming_new_shapes(leaves, captured, m):
                 program = self._step_compiler(args, kwargs, training)
             if first is not None and ({c.index: c.param_names for c in program.own}
                                       != {c.index: c.param_names for c in first.program.own}):

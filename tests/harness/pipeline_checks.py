@@ -11,6 +11,7 @@ from unittest import mock
 import torch
 
 import autoshard
+from autoshard.ir.pipeline import PipelineProgram
 from tests.harness import families
 from tests.harness.models import batch, build, loss_and_logits
 
@@ -113,6 +114,8 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
         pm.bucket_bytes = pm.first_bucket_bytes = bucket
     if forwards:       # a ParallelModule at dp > 1 (pp = 1): eval forwards work, training ones must refuse
         assert dp > 1 and mesh.get("pp", 1) == 1, "forwards=True checks a dp > 1, pp = 1 module"
+        # built from its step program (the one that trains here): no forward program yet, one trace
+        assert isinstance(pm.program, PipelineProgram) and not pm.forward_graphs and pm.captures.traced == 1
         local_args, local_kwargs = autoshard.local_batch((args, kwargs), device_mesh)
         try:
             pm(*local_args, **local_kwargs)
@@ -124,6 +127,7 @@ def pipeline_parity(rank, world, kind, mesh, options, cfg, steps=3, B=4, T=8):
         got = _loss(kind, pm(*local_args, **local_kwargs))
         want = _loss(kind, ref(*local_args, **local_kwargs))
         assert abs(float(got) - float(want)) <= 1e-5 * abs(float(want)), (float(got), float(want))
+        assert len(pm.forward_graphs) == 1 and pm.captures.traced == 2     # the eval forward's, on first use
         pm.train()
         ref.train()
     opt = pm.optimizer(torch.optim.AdamW, lr=1e-2, eps=1e-4, fused=fused) if zero else \
