@@ -218,29 +218,11 @@ def capture_model(model, kwargs):
 
 
 def run_tp(model, t: int, kwargs: dict, loss_fn, captured=None, **options):
-    """``tests/harness/simulate.py:simulate`` with one capture for every rank: per rank (output, loss,
-    {param name incl. tied aliases: full gradient})."""
-    import autoshard
-    from autoshard.ir.mesh import MeshSpec
-    from autoshard.runtime.module import ParallelModule
-    from tests.harness.simulate import run_ranks
-
-    mesh = MeshSpec(tp=t)
+    """``tests/harness/simulate.py:train_ranks`` on keyword inputs, with one capture for every rank: per
+    rank (output, loss, {param name incl. tied aliases: full gradient})."""
+    from tests.harness.simulate import train_ranks
     captured = captured or capture_model(model, kwargs)
-    opts = autoshard.CompileOptions(**options)
-    programs = autoshard.compile_ranks(model, mesh, None, (), kwargs, options=opts, captured=captured)
-
-    def rank_main(r, comms):
-        pm = ParallelModule(programs[r], model, comms)
-        out = pm(**copy.deepcopy(kwargs))
-        loss = loss_fn(out)
-        loss.backward()
-        grads = {name: (pm.gather(name, p.grad) if p.grad is not None else None)
-                 for name, p in pm.local_parameters().items()}
-        grads.update({alias: grads[main] for alias, main in pm.aliases.items()})  # tied names too
-        return out, loss.detach(), grads
-
-    return run_ranks(mesh, rank_main)
+    return [(out, loss, grads) for out, loss, grads, _ in train_ranks(model, t, (), kwargs, loss_fn, captured, **options)]
 
 
 def reference(model, kwargs, loss_fn):

@@ -125,10 +125,16 @@ def simulate(model, t, args=(), kwargs=None, loss_fn=None, **options):
 
     ``loss_fn(output) -> scalar`` is backpropagated (default: the output itself, or its sum).
     """
+    return [(out, grads, in_grads) for out, _, grads, in_grads in train_ranks(model, t, args, kwargs, loss_fn, **options)]
+
+
+def train_ranks(model, t, args=(), kwargs=None, loss_fn=None, captured=None, **options):
+    """One forward and backward on every rank of a simulated tp=t mesh, compiled from one capture (given,
+    or made here) and one plan: per rank (output, loss, {name incl. tied aliases: full grad}, input grads)."""
     kwargs = kwargs or {}
     mesh = MeshSpec(tp=t)
     opts = autoshard.CompileOptions(**options)
-    programs = autoshard.compile_ranks(model, mesh, None, args, kwargs, options=opts)
+    programs = autoshard.compile_ranks(model, mesh, None, args, kwargs, options=opts, captured=captured)
 
     def rank_main(r, comms):
         pm = ParallelModule(programs[r], model, comms)
@@ -140,7 +146,7 @@ def simulate(model, t, args=(), kwargs=None, loss_fn=None, **options):
                  for name, p in pm.local_parameters().items()}
         grads.update({alias: grads[main] for alias, main in pm.aliases.items()})  # tied names too
         in_grads = [x.grad for x in torch.utils._pytree.tree_leaves((a, kw)) if isinstance(x, torch.Tensor)]
-        return out, grads, in_grads
+        return out, loss.detach(), grads, in_grads
 
     return run_ranks(mesh, rank_main)
 
