@@ -1,7 +1,7 @@
 """``parallelize`` and ``compile_rank``: from a plain model to one rank's program.
 
-This is the one module in ``autoshard/`` that runs the compiler (``autoshard.passes``); the runtime never
-imports it. ``compile_rank`` is process-free (compile-only runs: dumps and unit tests of any rank of any
+This module (with ``captures.py``, which traces the model for it) runs the compiler (``autoshard.passes``);
+the runtime never imports it. ``compile_rank`` is process-free (compile-only runs: dumps and unit tests of any rank of any
 mesh; ``compile_ranks`` does several ranks from one capture and one plan); ``parallelize`` calls it for
 this process's rank and instantiates the program as a
 ``ParallelModule`` bound to the mesh's process groups, handing it a compiler for new shapes and modes.
@@ -27,6 +27,7 @@ from autoshard.mesh import group_timeout, mesh_spec
 from autoshard.passes import dump as D
 from autoshard.passes.dump_pipeline import write_pipeline
 from autoshard.passes.lower import collective_records, param_records
+from autoshard.passes.microbatch_loss import LossError
 from autoshard.passes.manager import PassContext, check_pass_list, run_mesh_passes, run_passes, run_rank_passes
 from autoshard.passes.stages import split_chunks
 from autoshard.planner.memory_ladder import memory_options
@@ -319,8 +320,9 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     ``memory_limit`` bytes per rank; ``scatter_gather`` sends a boundary every tp rank holds whole as 1/t
     slices ("auto": on NCCL).
     With a ``dp`` axis each dp rank passes its own rows of the global batch (``autoshard.local_batch``)
-    and ``pm.step`` returns the global batch's loss (at pp = 1 the step program is then the one compiled
-    here, since ``pm(...)`` trains at dp = 1 only; an eval forward compiles on first use); ``zero=1`` makes ``pm.optimizer(cls, ...)`` shard
+    and ``pm.step`` returns the global batch's loss (at pp = 1 the training step program is then the one
+    compiled here, when the model is in training mode and the example call returns a loss, since ``pm(...)``
+    trains at dp = 1 only; an eval forward compiles on first use); ``zero=1`` makes ``pm.optimizer(cls, ...)`` shard
     the optimizer state over dp (ZeRO-1).
 
     ``fuse`` runs chains of pointwise ops and row reductions (bias, dropout, residual add, LayerNorm,
@@ -415,14 +417,19 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
         return compile_pipeline(model, spec, rank, args, kwargs, later, training=training, captures=captures)
 
     def step_compiler(args, kwargs, training):
-        out = dump_dir(options.dump)   # a later step program's dumps go beside the first program's, in step/
+        out = dump_dir(options.dump)   # a step program compiled on first use dumps into step/
         return step_program(args, kwargs, training, out and training and f"{out}/step" or None)
 
-    if spec.dp > 1:
+    prog = None
+    if spec.dp > 1 and model.training:
         # pm(...) does not train at dp > 1 (pm.step sums the gradients over dp): the first program is the
-        # training step's, and an eval forward compiles its own on first use
-        prog = step_program(example_args, example_kwargs, True, options.dump)
-    else:
+        # training step's, and an eval forward compiles its own on first use; unless the example call
+        # returns no loss to step on (logits only: eval forwards are all such a module runs)
+        try:
+            prog = step_program(example_args, example_kwargs, True, options.dump)
+        except LossError:
+            prog = None
+    if prog is None:
         prog = compile_rank(model, spec, rank, example_args, example_kwargs, options, captures=captures)
     pins.update({r.name: r.spec.tp for r in prog.params})
     _dump_memory(memory, options, rank)

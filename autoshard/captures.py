@@ -5,11 +5,12 @@ eval: dropout is baked in), a bf16 twin under mixed precision, and ``loss_fn`` a
 given. The captured graph is never modified (the pass manager copies it), so one capture can feed any
 number of programs.
 
-At pp = 1 a module compiles two programs for the same call: ``parallelize`` compiles the forward program
-(``pm(...)``) for the example inputs, and ``pm.step`` its step program for a batch of the same shapes (one
-microbatch by default, so the very same trace). ``parallelize`` gives its compilers one ``CaptureCache``:
-a loop that calls both (or ``pm.eval()`` forwards and ``pm.eval_batch``) traces the model once per call
-signature, not once per program.
+At pp = 1 a module may compile two programs for the same call: the forward program (``pm(...)``) and the
+step program (``pm.step``) for a batch of the same shapes, which at one microbatch (the default) is the
+very same trace. ``parallelize`` compiles one of them for the example inputs (the forward at dp = 1, the
+step at dp > 1) and gives its compilers one ``CaptureCache``, so the other, and ``pm.eval()`` forwards
+beside ``pm.eval_batch``, trace the model once per call signature, not once per program. (With
+``microbatches`` > 1 a step traces one microbatch: a call signature of its own.)
 """
 from __future__ import annotations
 

@@ -100,7 +100,9 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         training.check_same_weights(model, "parallelize", program.mesh.size)   # tp, dp, pp ranks and tied copies
         # --- the runners ----------------------------------------------------------------------------------
         self._step_compiler = step_compiler
-        self._forward = None if staged else ForwardRunner(self, None if pipelined else program, compiler)
+        # a step program's module runs forwards only with a compiler to make them (parallelize's)
+        self._forward = (None if staged or (pipelined and compiler is None)
+                         else ForwardRunner(self, None if pipelined else program, compiler))
         self._first_runner = StepRunner(self, program) if pipelined else None
         # a pipeline rank holds the buffers of its training stages: another program reading one it does not
         # hold would read the model's initial value, not what was loaded since
@@ -138,7 +140,8 @@ class ParallelModule(training.TrainingMethods, nn.Module):
     # --- programs -------------------------------------------------------------------------------------
     @property
     def program(self) -> Program | PipelineProgram:
-        """The first program compiled (the example inputs', in the model's mode at parallelize time)."""
+        """The first program compiled: the example inputs' forward, in the model's mode at parallelize time,
+        or their training step program (a pipeline's; at pp = 1 with dp > 1, the one that trains)."""
         return self._first_runner.program if self._first_runner is not None else self._forward.first
 
     def first_capture(self) -> tuple:
@@ -162,7 +165,8 @@ class ParallelModule(training.TrainingMethods, nn.Module):
 
     @property
     def compile_log(self) -> list:
-        """``(ProgramKey, seconds)`` per forward program compiled after the first."""
+        """``(ProgramKey, seconds)`` per forward program compiled on first use (after the module's first
+        program)."""
         return self._forward.compile_log if self._forward is not None else []
 
     @property
@@ -214,9 +218,11 @@ class ParallelModule(training.TrainingMethods, nn.Module):
     # --- calls ----------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         if self._forward is None:
-            raise TypeError("a pipelined model runs whole batches: call pm.step(*batch) (forward and backward over "
-                            "the microbatches, returning the loss) or pm.eval_batch(*batch) (the eval-mode loss, no "
-                            "gradients); pm(...) runs a forward only for pp=1")
+            why = ("a pipelined model runs whole batches" if self.comms["pp"].size > 1 else
+                   "this module was built from a step program without a compiler (autoshard.parallelize's)")
+            raise TypeError(f"{why}: call pm.step(*batch) (forward and backward over the microbatches, returning "
+                            "the loss) or pm.eval_batch(*batch) (the eval-mode loss, no gradients); pm(...) runs a "
+                            "forward only for pp=1, in a module autoshard.parallelize built")
         if self.training and self.comms["dp"].size > 1:
             raise RuntimeError(f"with data parallelism (dp={self.comms['dp'].size}) train with pm.step(*local_batch): "
                                "it sums the gradients over dp ranks; a training forward here would leave each "

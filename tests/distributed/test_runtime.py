@@ -145,6 +145,37 @@ def test_runtime_features():
         assert "data_parallel_rank" in out["tp batch"] and out["data_parallel_rank"] == (0, 1)
 
 
+def _first_programs_at_dp2(rank, world):
+    """Which program parallelize compiles first at dp=2, pp=1, and that each module then runs."""
+    from autoshard.ir.pipeline import PipelineProgram
+    from autoshard.ir.program import Program
+    mesh = autoshard.init_mesh(dp=world)
+    (idx, tgt), _ = batch("gpt", 96, B=2 * world)
+    idx, tgt = autoshard.local_batch(((idx, tgt), {}), mesh)[0]
+    out = {}
+    model = build("gpt")
+    pm = autoshard.parallelize(copy.deepcopy(model), mesh, (idx, tgt))       # trains with pm.step: its program
+    out["training"] = (isinstance(pm.program, PipelineProgram), pm.captures.traced)
+    ref = copy.deepcopy(model).eval()
+    for name, train, args in (("logits only", True, (idx,)), ("eval mode", False, (idx, tgt))):
+        pm = autoshard.parallelize(copy.deepcopy(model).train(train), mesh, args)   # no step to train: a forward
+        pm.eval()
+        with torch.no_grad():
+            got, want = pm(*args)[0], ref(*args)[0]
+        out[name] = (type(pm.program) is Program, rel(got, want))
+    return out
+
+
+def test_the_first_program_at_dp2_is_the_step_unless_the_example_call_cannot_step():
+    """At dp > 1 pm(...) does not train, so parallelize compiles the training step program first; an
+    example call without a loss (logits only) or a model in eval mode compiles the forward program, and
+    its eval forwards match the single-device model."""
+    for out in run_distributed(_first_programs_at_dp2, 2, timeout=300):
+        assert out["training"] == (True, 1)
+        for name in ("logits only", "eval mode"):
+            assert out[name][0] and out[name][1] <= 1e-5, (name, out[name])
+
+
 def _hang(rank, world):
     os.environ["AUTOSHARD_TIMEOUT"] = "2"
     mesh = autoshard.init_mesh(tp=world)

@@ -376,3 +376,17 @@ def test_capture_cache_keys_on_what_a_trace_depends_on():
               cache.get(model, (idx, tgt), None, CompileOptions(mixed_precision="bf16"), True)]
     assert len({id(c) for c in [first, *others]}) == 5 and cache.traced == 5
     assert others[-1].gm is not first.gm and cache.get(model, (idx, tgt), None, plain, True) is first
+
+
+def test_a_module_built_from_a_step_program_without_a_compiler_steps_and_says_what_pm_call_needs():
+    """ParallelModule(program, model) of a compile-only pp=1 step program: pm.step runs it (exactly);
+    pm(...) has no compiler to make a forward program, and says so."""
+    from autoshard.runtime.module import ParallelModule
+    model = build("gpt")
+    (x, y), _ = batch("gpt", 96, B=4)
+    prog = autoshard.compile_pipeline(model, {"tp": 1}, 0, (x, y), microbatches=2)
+    pm = ParallelModule(prog, copy.deepcopy(model))
+    ref = copy.deepcopy(model)
+    assert abs(float(pm.step(x, y)) - float(ref(x, y)[1])) <= 1e-6 * float(ref(x, y)[1])
+    with pytest.raises(TypeError, match="without a compiler.*pm.step"):
+        pm(x, y)
