@@ -301,6 +301,19 @@ def _dump_memory(choice, options: CompileOptions, rank: int) -> None:
         f.write("\n" + "\n".join(choice.lines()))
 
 
+def _say_compiled(prog, spec, rank: int) -> None:
+    """One line on rank 0 (INFO, the ``autoshard`` logger): what was compiled, in how long, and where the
+    time went (the capture, and the slowest passes: the ILP's ``plan`` on a large model)."""
+    if rank != 0 or not log.isEnabledFor(logging.INFO):
+        return
+    passes = sum(prog.timings.values())
+    slowest = sorted(prog.timings.items(), key=lambda kv: -kv[1])[:3]
+    what = "step" if isinstance(prog, PipelineProgram) else "forward"
+    log.info("autoshard: compiled the %s program for dp=%d pp=%d tp=%d in %.2f s (capture and lowering %.2f s, "
+             "passes %.2f s: %s)", what, spec.dp, spec.pp, spec.tp, prog.compile_seconds,
+             max(prog.compile_seconds - passes, 0.0), passes, ", ".join(f"{k} {v:.2f} s" for k, v in slowest))
+
+
 def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *, max_programs: int = 8,
                 options: CompileOptions | None = None, plan=None, **keywords):
     """``model`` parallelized over ``mesh`` (its tp, pp and dp axes): an ``nn.Module`` holding this rank's shards.
@@ -379,6 +392,7 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     captures = CaptureCache()       # one trace per call signature, whichever of this module's programs asks
     if spec.pp > 1:
         program = compile_pipeline(model, spec, rank, example_args, example_kwargs, options, captures=captures)
+        _say_compiled(program, spec, rank)
         _dump_memory(memory, options, rank)
         comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
         peers = spec.group_ranks(rank, "pp")
@@ -432,6 +446,7 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     if prog is None:
         prog = compile_rank(model, spec, rank, example_args, example_kwargs, options, captures=captures)
     pins.update({r.name: r.spec.tp for r in prog.params})
+    _say_compiled(prog, spec, rank)
     _dump_memory(memory, options, rank)
 
     comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None

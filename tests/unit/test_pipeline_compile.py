@@ -390,3 +390,12 @@ def test_a_module_built_from_a_step_program_without_a_compiler_steps_and_says_wh
     assert abs(float(pm.step(x, y)) - float(ref(x, y)[1])) <= 1e-6 * float(ref(x, y)[1])
     with pytest.raises(TypeError, match="without a compiler.*pm.step"):
         pm(x, y)
+
+
+def test_parallelize_says_what_it_compiled_and_where_the_time_went(caplog):
+    model = build("gpt")
+    (x, y), _ = batch("gpt", 96, B=4)
+    with caplog.at_level("INFO", logger="autoshard"):
+        autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (x, y))
+    line = next(r.getMessage() for r in caplog.records if "compiled the" in r.getMessage())
+    assert "forward program for dp=1 pp=1 tp=1" in line and "passes" in line and "plan " in line, line
