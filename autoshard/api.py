@@ -1,10 +1,10 @@
 """``parallelize`` and ``compile_rank``: from a plain model to one rank's program.
 
 This module (with ``captures.py``, which traces the model for it) runs the compiler (``autoshard.passes``);
-the runtime never imports it. ``compile_rank`` is process-free (compile-only runs: dumps and unit tests of any rank of any
-mesh; ``compile_ranks`` does several ranks from one capture and one plan); ``parallelize`` calls it for
-this process's rank and instantiates the program as a
-``ParallelModule`` bound to the mesh's process groups, handing it a compiler for new shapes and modes.
+the runtime never imports it. ``compile_rank`` is process-free (compile-only runs: dumps and unit tests of
+any rank of any mesh; ``compile_ranks`` does several ranks from one capture and one plan); ``parallelize``
+calls it for this process's rank and instantiates the program as a ``ParallelModule`` bound to the mesh's
+process groups, handing it a compiler for new shapes and modes.
 """
 from __future__ import annotations
 
@@ -17,18 +17,18 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from autoshard.captures import CaptureCache, capture_model
 from autoshard.ir import meta as M
 from autoshard.ir.options import PIPELINE_KEYWORDS, CompileOptions, PipelineOptions, dump_dir, options_from_keywords
 from autoshard.ir.pipeline import LOSS_REWRITE, STAGE_PLAN, PipelineProgram
-from autoshard.captures import CaptureCache, capture_model
 from autoshard.ir.program import Captured, Program
 from autoshard.ir.schedule import add_communication, make_schedule, validate
 from autoshard.mesh import group_timeout, mesh_spec
 from autoshard.passes import dump as D
 from autoshard.passes.dump_pipeline import write_pipeline
 from autoshard.passes.lower import collective_records, param_records
-from autoshard.passes.microbatch_loss import LossError
 from autoshard.passes.manager import PassContext, check_pass_list, run_mesh_passes, run_passes, run_rank_passes
+from autoshard.passes.microbatch_loss import LossError
 from autoshard.passes.stages import split_chunks
 from autoshard.planner.memory_ladder import memory_options
 from autoshard.runtime.comm import comms_for_mesh
