@@ -94,7 +94,8 @@ def capture_model(model, args, kwargs, options: CompileOptions, training: bool) 
 class CaptureCache:
     """The last ``limit`` captures of one model, by what a trace depends on: the mode, each input's
     shape, dtype, ``requires_grad`` and contiguity (or a non-tensor's value), the inputs' structure, the
-    loss function and the compute dtype. Not the inputs' values: export traces them as fake tensors."""
+    loss function, the compute dtype and the grad mode (a forward may branch on ``torch.is_grad_enabled()``).
+    Not the inputs' values: export traces them as fake tensors."""
 
     def __init__(self, limit: int = 4):
         self._captures = ProgramCache(limit, "capture", quiet=True)
@@ -103,7 +104,8 @@ class CaptureCache:
     def get(self, model: nn.Module, args, kwargs, options: CompileOptions, training: bool) -> Captured:
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
         layout = tuple(x.is_contiguous() for x in leaves if isinstance(x, torch.Tensor))   # export traces strides
-        key = (id(model), id(options.loss_fn), options.mixed_precision, layout, program_key(training, leaves, spec))
+        key = (id(model), id(options.loss_fn), options.mixed_precision, torch.is_grad_enabled(), layout,
+               program_key(training, leaves, spec))
         found = self._captures.get(key)
         if found is None:
             found = self._captures.put(key, capture_model(model, args, kwargs, options, training))
