@@ -105,3 +105,13 @@ def test_gpu_check_runs_on_cpu_ranks(tmp_path, monkeypatch):
     cpu = [c for c in configs if not c[2].get("cuda_graphs")]     # CUDA graphs run on GPUs only
     assert len(cpu) == 2
     assert table.count("| pass |") == len(cpu) and "FAIL" not in table
+
+
+@pytest.mark.slow   # an extra benchmark; test_pipeline_compile.py and test_runtime.py check what it reports
+def test_startup_bench_smoke():
+    """``python -m benchmarks.startup`` at a tiny size: one trace a module, one program a step loop at dp=2."""
+    from benchmarks import startup
+    rows = startup.main(["--layers", "1", "--hidden", "32", "--seq", "16", "--vocab", "64", "--batch", "4",
+                         "--out", "none"])
+    assert all(r["traced"] == 1 for _, _, r in rows)
+    assert [r["programs"] for m, loop, r in rows] == [2, 1, 1, 1]
