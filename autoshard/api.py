@@ -391,7 +391,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     options, memory = _memory_limited(model, spec, example_args, example_kwargs, options, fixed, rank)
     captures = CaptureCache()       # one trace per call signature, whichever of this module's programs asks
     if spec.pp > 1:
-        program = compile_pipeline(model, spec, rank, example_args, example_kwargs, options, captures=captures)
+        with torch.enable_grad():          # traced as pm.step traces it (parallelize may be called under no_grad)
+            program = compile_pipeline(model, spec, rank, example_args, example_kwargs, options, captures=captures)
         _say_compiled(program, spec, rank)
         _dump_memory(memory, options, rank)
         comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
@@ -440,7 +441,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
         # training step's, and an eval forward compiles its own on first use; unless the example call
         # returns no loss to step on (logits only: eval forwards are all such a module runs)
         try:
-            prog = step_program(example_args, example_kwargs, True, options.dump)
+            with torch.enable_grad():      # traced as pm.step traces it (parallelize may be called under no_grad)
+                prog = step_program(example_args, example_kwargs, True, options.dump)
         except LossError:
             prog = None
     if prog is None:
