@@ -139,19 +139,27 @@ def _worker(rank, world, port, payload, q, init_pg, environ):
         _leave_group()
 
 
-def _collect(procs, q, timeout, tag=None) -> dict:
+def _collect(procs, q, timeout, tag=None, early=None) -> dict:
     """``{rank: (status, payload)}`` from ``q`` until every rank reported, one failed (plus a short grace for
     the others, whose errors are often the telling ones), a rank died, or ``timeout`` passed. With ``tag``,
-    messages carry it first and others (a stale call's) are dropped."""
+    messages carry it first; those of the same call's other phase (``-tag``: a pool rank's health, sent
+    after its result) are kept in ``early`` for that phase's collection, and others (a stale call's) are
+    dropped. A fast rank's health can overtake a slow rank's result on the queue: each rank's messages
+    arrive in order, but not the ranks' relative to each other."""
     world, results, deadline = len(procs), {}, time.monotonic() + timeout
+    early = {} if early is None else early
 
     def get(block_for):
         while True:
+            if tag is not None and early.get(tag):
+                return early[tag].pop(0)
             item = q.get(timeout=block_for) if block_for else q.get_nowait()
             if tag is None:
                 return item
             if item[0] == tag:
                 return item[1:]
+            if item[0] == -tag:
+                early.setdefault(-tag, []).append(item[1:])
 
     while len(results) < world and time.monotonic() < deadline:
         try:
@@ -352,9 +360,10 @@ class RankPool:
         try:
             for tasks in self._tasks:
                 tasks.put((self._tag, payload))
-            results = _collect(self.procs, self._q, timeout, tag=self._tag)
+            early = {}      # health messages that came before every result had
+            results = _collect(self.procs, self._q, timeout, tag=self._tag, early=early)
             ok = _all_ok(results, self.world) and _all_ok(
-                _collect(self.procs, self._q, _HEALTH_TIMEOUT, tag=-self._tag), self.world)
+                _collect(self.procs, self._q, _HEALTH_TIMEOUT, tag=-self._tag, early=early), self.world)
         except BaseException:   # the caller interrupted (Ctrl-C): the ranks may still be inside the call
             self.close(kill=True)
             raise

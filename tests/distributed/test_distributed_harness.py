@@ -104,3 +104,27 @@ def test_an_unknown_start_method_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("AUTOSHARD_START_METHOD", "fork")
     with pytest.raises(ValueError, match="AUTOSHARD_START_METHOD='fork'"):
         launch(_environment_and_imports, 2)
+
+
+def test_a_pool_ranks_health_that_overtakes_a_slower_ranks_result_is_kept():
+    """A pool rank reports its result, then (after the barrier) its health. Each rank's messages arrive in
+    order, but a fast rank's health can reach the caller before a slow rank's result (the slow rank's
+    larger result still in its queue's feeder thread): the results' collection kept it, so the health
+    check counts every rank at once. Dropped, as before, it cost the full health timeout (60 s) and a
+    closed pool, about twice a test-suite run."""
+    import queue
+    import time
+
+    from autoshard.launcher import _all_ok, _collect
+
+    class Alive:
+        exitcode = None
+    q = queue.Queue()
+    for item in [(7, 1, "ok", b"r1"), (-7, 1, "ok", b""), (6, 0, "ok", b"stale"), (7, 0, "ok", b"r0"),
+                 (-7, 0, "ok", b"")]:
+        q.put(item)
+    early, start = {}, time.monotonic()
+    results = _collect([Alive(), Alive()], q, 5, tag=7, early=early)
+    health = _collect([Alive(), Alive()], q, 5, tag=-7, early=early)
+    assert results == {1: ("ok", b"r1"), 0: ("ok", b"r0")} and _all_ok(health, 2)
+    assert time.monotonic() - start < 1         # nothing waited for a message already read
