@@ -18,6 +18,7 @@ Writes ``startup_results.md`` into ``--out``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 
@@ -25,29 +26,17 @@ import torch
 import torch.distributed as dist
 
 from autoshard.launcher import launch
-from benchmarks.pp import OUT
+from benchmarks.pp import OUT, _batch, _gpt, _max_over_ranks
 
 MESHES = ({"tp": 2}, {"dp": 2}, {"dp": 2, "tp": 2})
 
 
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
 def _rank(rank, world, job):
     import autoshard
-    from autoshard.models import GPT, GPTConfig
     torch.set_num_threads(1)
     mesh = autoshard.init_mesh(**job["mesh"])
-    g = torch.Generator().manual_seed(1)
-    shape = (job["batch"], job["seq"])
-    x, y = torch.randint(0, job["vocab"], shape, generator=g), torch.randint(0, job["vocab"], shape, generator=g)
-    (x, y), _ = autoshard.local_batch(((x, y), {}), mesh)
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(block_size=job["seq"], vocab_size=job["vocab"], n_layer=job["layers"], n_head=4,
-                          n_embd=job["hidden"]))
+    (x, y), _ = autoshard.local_batch((_batch(job["vocab"], job["batch"], job["seq"], 1), {}), mesh)
+    model = _gpt(job["layers"], job["vocab"], job["hidden"], job["seq"], tie=True)
     dist.barrier()
     start = time.perf_counter()
     pm = autoshard.parallelize(model, mesh, (x, y))
@@ -58,8 +47,8 @@ def _rank(rank, world, job):
         pm(x, y)[1].backward()
     done = time.perf_counter()
     programs = len(pm.forward_graphs) + len(pm.step_runners)
-    return dict(parallelize=_slowest(built - start), first=_slowest(done - built), traced=pm.captures.traced,
-                programs=programs)
+    return dict(parallelize=_max_over_ranks(built - start), first=_max_over_ranks(done - built),
+                traced=pm.captures.traced, programs=programs)
 
 
 def markdown(rows: list, job: dict) -> str:
@@ -89,9 +78,7 @@ def main(argv=None) -> list:
     job = {k: v for k, v in vars(ns).items() if k not in ("timeout", "out")}
     rows = []
     for mesh in MESHES:
-        world = 1
-        for v in mesh.values():
-            world *= v
+        world = math.prod(mesh.values())
         for loop in ("step", "call") if "dp" not in mesh else ("step",):
             res = launch(_rank, world, {**job, "mesh": mesh, "loop": loop}, timeout=ns.timeout)[0]
             rows.append((mesh, loop, res))
