@@ -31,6 +31,7 @@ from autoshard.passes.manager import PassContext, check_pass_list, run_mesh_pass
 from autoshard.passes.microbatch_loss import LossError
 from autoshard.passes.stages import split_chunks
 from autoshard.planner.memory_ladder import memory_options
+from autoshard.planner.search import check_plan
 from autoshard.runtime.comm import comms_for_mesh
 from autoshard.runtime.module import ParallelModule
 from autoshard.runtime.microbatch import row_counts, split_batch
@@ -246,6 +247,7 @@ def _planned(plan, spec, args, kwargs, keywords: dict) -> dict:
     """``keywords`` with what ``plan`` (``autoshard.plan(...).best``) decides: microbatches, schedule,
     virtual stages, recompute and ZeRO, checked against the mesh and the example batch first. A keyword
     given as well must agree with the plan."""
+    plan = check_plan(plan)
     if (spec.dp, spec.pp, spec.tp) != (plan.dp, plan.pp, plan.tp):
         raise ValueError(f"the plan is for dp={plan.dp} pp={plan.pp} tp={plan.tp}, the mesh is dp={spec.dp} "
                          f"pp={spec.pp} tp={spec.tp}: build the mesh with autoshard.init_mesh(plan=plan)")
@@ -254,11 +256,24 @@ def _planned(plan, spec, args, kwargs, keywords: dict) -> dict:
         raise ValueError(f"the plan runs {plan.m} microbatches of {plan.b} sequences on each dp rank, so each rank's "
                          f"batch has {plan.b * plan.m} rows, but the example batch has {rows.pop()}: pass "
                          "autoshard.local_batch of a global batch of the plan's size")
+    tokens = {x.shape[1] for x in torch.utils._pytree.tree_leaves((args, kwargs or {}))
+              if isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point()}
+    if plan.seq and len(tokens) == 1 and tokens != {plan.seq}:
+        raise ValueError(f"the plan was priced for sequences of {plan.seq} tokens, but the example batch's token "
+                         f"ids have {tokens.pop()}: plan again with autoshard.plan(..., seq=...) for this length")
+    if not plan.fits:
+        log.warning("autoshard: this plan was predicted not to fit (%s)", plan.why or "see plans.too_big")
+    if plan.runtime != "autoshard":
+        log.warning("autoshard: this plan was priced for the %r runtime, whose overlaps autoshard's runtime does "
+                    "not all have: its predicted step is not autoshard's (plan(..., runtime='autoshard') prices it)",
+                    plan.runtime)
     out = dict(keywords)
     for k, v in plan.parallelize_options().items():
         if k in out and out[k] != v:
+            fix = (" (the plan was priced at bf16 compute: for an fp32 plan, plan on a cluster of compute_dtype='fp32', "
+                   "e.g. DGX_A100.with_(compute_dtype='fp32', peak_flops=...))" if k == "mixed_precision" else "")
             raise ValueError(f"parallelize({k}={out[k]!r}, plan=...) disagrees with the plan's {k}={v!r}: "
-                             "pass one of them")
+                             f"pass one of them{fix}")
         out[k] = v
     return out
 

@@ -21,6 +21,8 @@ def init_mesh(tp: int = 1, dp: int = 1, pp: int = 1, *, plan=None) -> DeviceMesh
     bounded timeout (``AUTOSHARD_TIMEOUT``) so a mismatched program fails instead of hanging.
     """
     if plan is not None:
+        from autoshard.planner.search import check_plan
+        plan = check_plan(plan)
         if (tp, dp, pp) != (1, 1, 1) and (tp, dp, pp) != (plan.tp, plan.dp, plan.pp):
             raise ValueError(f"init_mesh(tp={tp}, dp={dp}, pp={pp}, plan=...) disagrees with the plan's "
                              f"tp={plan.tp}, dp={plan.dp}, pp={plan.pp}: pass the plan alone")

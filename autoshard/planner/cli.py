@@ -27,7 +27,10 @@ def _model(spec: str, seq):
         return model_shape(BUILTIN[spec], seq)
     if spec.startswith("gpt:") or spec == "gpt":
         from autoshard.models.gpt import GPTConfig
-        fields = dict(kv.split("=", 1) for kv in spec[4:].split(",") if kv)
+        pairs = [kv.split("=", 1) for kv in spec[4:].split(",") if kv]
+        if any(len(kv) != 2 for kv in pairs):
+            raise SystemExit(f"--model {spec}: write each field as name=value, e.g. gpt:n_layer=24,n_embd=2048")
+        fields = dict(pairs)
         try:
             config = GPTConfig(**{k: int(v) for k, v in fields.items()})
         except (TypeError, ValueError) as e:
@@ -44,18 +47,28 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="built-in name, gpt:field=value,..., or an HF config.json")
     ap.add_argument("--gpus", type=int, required=True)
-    ap.add_argument("--cluster", default="dgx-a100", choices=sorted(PRESETS))
+    ap.add_argument("--cluster", default="dgx-a100", type=str.lower, choices=sorted(PRESETS))
     ap.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's context)")
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--no-flash", action="store_true", help="attention keeps its s x s matrix (no FlashAttention)")
     ap.add_argument("--memory-limit", type=float, default=None,
                     help="GiB a GPU may hold (a hard limit below the cluster's usable memory)")
-    ap.add_argument("--runtime", default="autoshard", choices=sorted(RUNTIMES),
+    ap.add_argument("--runtime", default="autoshard", type=str.lower, choices=sorted(RUNTIMES),
                     help="the runtime the plan is for (default autoshard's; the others to hand a plan to Megatron "
                          "or DeepSpeed)")
     ap.add_argument("--out", default="autoshard_plan", help="folder for plan.md and plan.svg ('none': write nothing)")
     args = ap.parse_args(argv)
+    if args.memory_limit is not None and not args.memory_limit > 0:
+        ap.error(f"--memory-limit {args.memory_limit:g}: give the GiB a GPU may hold, a positive number")
+    try:
+        return _run(args)
+    except (ValueError, TypeError) as e:       # what plan() refuses, said as the CLI's error, not a traceback
+        print(f"python -m autoshard plan: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     shape: ModelShape = _model(args.model, args.seq)
     print(f"planning {shape.name} ({shape.params() / 1e9:.2f} B parameters, seq {shape.seq}) on {args.gpus} GPUs "
           f"of {args.cluster}, global batch {args.global_batch} ...", file=sys.stderr, flush=True)

@@ -76,8 +76,13 @@ class Cluster:
     # cores hide nothing at all: ``oversubscription``)
     comm_compute_share: float | None = None
     source: str = ""
+    # the dtype the GEMMs' rate is of and the activations are held in: "bf16" on the presets (their peak is
+    # the tensor cores' bf16; ``Plan.parallelize_options`` then asks for ``mixed_precision="bf16"``), the
+    # measured dtype for ``measure()`` ("fp32" on a CPU host, whose ranks train in fp32)
+    compute_dtype: str = "bf16"
 
     def __post_init__(self):
+        _check_cluster(self)
         if self.comm_compute_share is None:
             object.__setattr__(self, "comm_compute_share", NCCL_COMPUTE_SHARE if self.backend == "nccl" else 0.0)
 
@@ -95,10 +100,19 @@ class Cluster:
             return 0.0
         return count * 2.0 * m * n * k / (self.peak_flops * self.gemm_efficiency(m, n, k))
 
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of one activation element in ``compute_dtype``."""
+        return 2 if self.compute_dtype in ("bf16", "fp16") else 4
+
     def link(self, group_size: int, stride: int) -> Link:
         """The link a group of ``group_size`` ranks, ``stride`` ranks apart, runs its collectives on: inside
-        a node when every member shares one, else between nodes."""
-        return self.intra if group_size * stride <= self.gpus_per_node else self.inter
+        a node when every member of every such group shares one, else between nodes. The groups tile the
+        ranks in blocks of ``group_size x stride`` (``init_mesh``'s layout: tp fastest, then pp, then dp);
+        a block that does not divide a node's GPUs straddles two nodes somewhere (tp=3 on 8-GPU nodes:
+        ranks 6, 7 and 8), and that group, the slowest, paces the step."""
+        block = group_size * stride
+        return self.intra if block <= self.gpus_per_node and self.gpus_per_node % block == 0 else self.inter
 
     def with_(self, **changes) -> "Cluster":
         """A copy with some numbers changed (a faster network, a smaller node): what-if planning."""
@@ -142,7 +156,7 @@ class Cluster:
         draft = Cluster(name, gpus_per_node=world, peak_flops=peak, hbm_bytes=float(hbm), hbm_bandwidth=hbm_bw,
                         intra=link, inter=link, gemm_max_efficiency=top, gemm_half_dim=half, op_overhead=overhead,
                         oversubscription=oversub, transcendental_rate=transcendental, launch_ahead=cuda,
-                        backend="nccl" if cuda else "gloo",
+                        backend="nccl" if cuda else "gloo", compute_dtype=_DTYPE_NAMES.get(dtype, str(dtype)),
                         source=f"measured on {device.type} ({dtype}), {world} rank(s), {time.strftime('%Y-%m-%d')}")
         measured = [draft if cuda else _calibrated_on_a_layer(draft, repeats)]
         if world > 1:      # one cluster for every rank (rank 0's numbers), so every rank plans the same mesh
@@ -346,6 +360,37 @@ def _fit_link(samples, world: int) -> Link:
     slope = slope if slope > 0 else floor       # timing noise can tilt the fit flat or negative
     intercept = max(my - slope * mx, 0.0)
     return Link(bandwidth=1.0 / slope, latency=intercept / steps)
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _check_cluster(c: Cluster) -> None:
+    """A ``Cluster``'s numbers must be physical: a zero or negative rate would price a step at nothing, or
+    below nothing, and rank it first."""
+    def positive(name, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"Cluster {c.name!r}: {name}={value!r}; give a positive number")
+    positive("gpus_per_node", c.gpus_per_node)
+    if int(c.gpus_per_node) != c.gpus_per_node:
+        raise ValueError(f"Cluster {c.name!r}: gpus_per_node={c.gpus_per_node!r}; give a whole number")
+    for name in ("peak_flops", "hbm_bytes", "hbm_bandwidth", "gemm_max_efficiency", "gemm_half_dim",
+                 "usable_memory", "oversubscription", "transcendental_rate"):
+        positive(name, getattr(c, name))
+    for name in ("gemm_max_efficiency", "usable_memory"):
+        if getattr(c, name) > 1:
+            raise ValueError(f"Cluster {c.name!r}: {name}={getattr(c, name)!r} is a fraction; give one in (0, 1]")
+    for name in ("intra", "inter"):
+        link = getattr(c, name)
+        if not isinstance(link, Link):
+            raise ValueError(f"Cluster {c.name!r}: {name}={link!r}; give a planner.Link(bandwidth, latency)")
+        positive(f"{name}.bandwidth", link.bandwidth)
+        if not isinstance(link.latency, (int, float)) or link.latency < 0:
+            raise ValueError(f"Cluster {c.name!r}: {name}.latency={link.latency!r}; give seconds, 0 or more")
+    if not isinstance(c.op_overhead, (int, float)) or c.op_overhead < 0:
+        raise ValueError(f"Cluster {c.name!r}: op_overhead={c.op_overhead!r}; give seconds, 0 or more")
+    if c.compute_dtype not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"Cluster {c.name!r}: compute_dtype={c.compute_dtype!r}; give 'bf16', 'fp16' or 'fp32'")
 
 
 # --- presets -------------------------------------------------------------------------------------------

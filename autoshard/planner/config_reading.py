@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import logging
 import os
 
@@ -22,17 +23,34 @@ log = logging.getLogger("autoshard")
 
 def model_shape(model, seq: int | None = None, name: str | None = None) -> ModelShape:
     """The ``ModelShape`` of ``model``: a ``ModelShape``, the built-in ``GPTConfig`` or GPT, an HF config
-    (object, dict or ``config.json`` path) or HF model. ``seq`` defaults to the model's context length."""
+    (object, dict or ``config.json`` path) or HF model. ``seq`` defaults to the model's context length; a
+    learned position table (GPT-2's, OPT's) bounds it."""
+    if seq is not None and (isinstance(seq, bool) or not isinstance(seq, numbers.Integral) or seq < 1):
+        raise ValueError(f"seq={seq!r}: give the sequence length in tokens, a positive whole number")
+    if model is None:
+        raise TypeError("model=None: pass a ModelShape, a built-in name, a GPTConfig or GPT, an HF config, "
+                        "a config.json path or an HF model")
+    shape = _model_shape(model, None if seq is None else int(seq), name)
+    if shape.positions and shape.seq > shape.positions:
+        raise ValueError(f"seq={shape.seq} is longer than {shape.name}'s learned position table ({shape.positions} "
+                         f"positions): the model cannot run it; pass seq={shape.positions} or less")
+    return shape
+
+
+def _model_shape(model, seq: int | None, name: str | None) -> ModelShape:
     if isinstance(model, ModelShape):
         return model if seq is None else dataclasses.replace(model, seq=seq)
     if isinstance(model, str) and model in BUILTIN:
-        return model_shape(BUILTIN[model], seq)
+        return _model_shape(BUILTIN[model], seq, name)
+    if isinstance(model, str) and model == "gpt":          # the built-in GPT's default config, as the CLI's
+        from autoshard.models.gpt import GPTConfig
+        return _model_shape(GPTConfig(), seq, name)
     if isinstance(model, (str, os.PathLike)):
         if not os.path.isfile(model):
             raise ValueError(f"model {str(model)!r} is neither a built-in ({', '.join(BUILTIN)}) nor a config.json "
                              "file: pass one of those, an HF config or model, a GPTConfig or a ModelShape")
         with open(model) as f:
-            return model_shape(json.load(f), seq, name or os.path.basename(os.path.dirname(os.path.abspath(model))))
+            return _model_shape(json.load(f), seq, name or os.path.basename(os.path.dirname(os.path.abspath(model))))
     config = getattr(model, "config", model)
     from autoshard.models.gpt import GPTConfig
     if isinstance(config, GPTConfig):
@@ -58,6 +76,12 @@ def model_shape(model, seq: int | None = None, name: str | None = None) -> Model
         fields = dict(fields, num_attention_heads=1)     # a state-space model (Mamba): no attention to size
     if layers and not any(fields.get(k) for k in ("num_hidden_layers", "n_layer")):
         fields = dict(fields, num_hidden_layers=len(layers))     # Nemotron-H's count is its block pattern's
+    text = fields.get("text_config")
+    if isinstance(text, dict) and not any(fields.get(k) for k in ("hidden_size", "n_embd", "d_model")):
+        # a multimodal config (Gemma 3, LLaVA, Qwen2-VL): its language model, which the planner prices; the
+        # vision tower's few layers are left out
+        return _model_shape(getattr(config, "text_config", None) or text, seq,
+                            name or f"{fields.get('model_type') or 'multimodal'} (its text model)")
     shape = _from_hf(fields, seq, name)
     if not layers:      # transformers cannot build the whole model: a one-layer copy's structure, if it can
         one = layer_reading.first_layer(fields)

@@ -456,7 +456,8 @@ def stage_memory(shape: ModelShape, c: Candidate, rank: int, flash: bool = True,
     # softmax; an MoE model's dense layers may keep more)
     per_layer = (max(sum(n * b for n, b in zip(mix, per_kind)) / sum(mix) for mix in shape.stage_mixes(c.pp))
                  if shape.layout else per_kind[0]) * scale
-    chunk_layers = shape.layers / (c.pp * c.v)
+    # the most loaded rank's layers (an uneven split puts ceil(L / p) on some rank), in v chunks
+    chunk_layers = math.ceil(shape.layers / c.pp) / c.v
     microbatches = {"gpipe": c.m * c.v, "zb-h1": in_flight(c.pp, c.m, c.v, 0),
                     "zb-h2": min(c.m, 2 * c.pp - 1)}.get(schedule, in_flight(c.pp, c.m, c.v, rank))
     held = microbatches * chunk_layers * per_layer
@@ -469,6 +470,8 @@ def stage_memory(shape: ModelShape, c: Candidate, rank: int, flash: bool = True,
 
 def _memory(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool) -> Memory:
     """The most loaded rank's peak: the first pipeline rank (the most microbatches in flight) or the
-    last (the logits; under ZB-H1 it may hold the first rank's activations too, W's held back)."""
-    return max((stage_memory(shape, c, r, flash, schedule=c.schedule) for r in {0, c.pp - 1}),
-               key=lambda mem: mem.activations)
+    last (the logits; under ZB-H1 it may hold the first rank's activations too, W's held back), its
+    activations in the cluster's compute dtype (``Cluster.compute_dtype``: bf16 on the presets, fp32 on a
+    CPU host's measured cluster)."""
+    return max((stage_memory(shape, c, r, flash, schedule=c.schedule, activation_bytes=cluster.activation_bytes)
+                for r in {0, c.pp - 1}), key=lambda mem: mem.activations)

@@ -27,7 +27,7 @@ def table(plans: Plans) -> str:
 
 def _row(rank: str, p: Plan) -> str:
     return (f"| {rank} | {p.dp} | {p.pp} | {p.tp} | {'regathered' if p.sp == 'regather' else 'yes' if p.sp else 'no'} | {p.b} | {p.m} | {p.v} | {p.schedule} | {p.recompute} | {p.zero} | "
-            f"{p.step_seconds:.3f} | {p.tflops_per_gpu:.1f} | {p.memory_bytes / GiB:.1f} | {p.why} |")
+            f"{p.step_seconds:.4g} | {p.tflops_per_gpu:.1f} | {p.memory_bytes / GiB:.1f} | {p.why} |")
 
 
 def plan_md(plans: Plans) -> str:

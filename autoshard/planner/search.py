@@ -12,6 +12,7 @@ pays most over it), and why each faster configuration was not chosen (memory).
 """
 from __future__ import annotations
 
+import numbers
 import operator
 import time
 from dataclasses import dataclass, field
@@ -50,6 +51,9 @@ class Plan:
     prediction: Prediction
     fits: bool
     why: str = ""
+    seq: int = 0                      # the sequence length it was priced for (0: not recorded)
+    mixed_precision: str | None = "bf16"   # the compute dtype it was priced at (None: fp32)
+    runtime: str = "autoshard"        # the runtime it was priced for (``planner.runtimes``)
 
     @property
     def step_seconds(self) -> float:
@@ -78,6 +82,8 @@ class Plan:
             out["zero"] = self.zero
         if self.sp:
             out["sequence_parallel"] = self.sp
+        if self.mixed_precision:      # priced at the cluster's bf16 rate and bf16 activations
+            out["mixed_precision"] = self.mixed_precision
         return out
 
     def label(self) -> str:
@@ -109,11 +115,12 @@ class Plans:
     @property
     def best(self) -> Plan:
         if not self.ranked:
-            need = min((p.memory_bytes for p in self.too_big), default=0)
+            small = min(self.priced, key=lambda p: p.memory_bytes, default=None)
+            need = (f"the smallest, {small.label()}, needs {size(small.memory_bytes)}, "
+                    f"{size(small.memory_bytes - self.limit)} more" if small is not None else "none was priced")
             raise ValueError(f"no configuration of {self.gpus} GPUs fits {self.shape.name} in "
-                             f"{size(self.limit)} per GPU: the smallest "
-                             f"needs {size(need)}; use more GPUs, a smaller global batch or sequence, or a "
-                             "cluster with more memory")
+                             f"{size(self.limit)} per GPU: {need}; use more GPUs, a smaller global batch or "
+                             "sequence, or a cluster with more memory")
         return self.ranked[0]
 
     def __iter__(self):
@@ -149,11 +156,7 @@ def candidates(shape: ModelShape, gpus: int, global_batch: int, max_b: int = 16,
                max_tp: int | None = None, zero_bubble: bool = True) -> list:
     """Every legal configuration (see the module docstring). ``zero_bubble``: offer ZB-H1 beside 1F1B."""
     out = []
-    for t in _divisors(gpus):
-        if max_tp is not None and t > max_tp:
-            continue
-        if shape.hidden % t or (shape.attention and (shape.heads % t or (shape.kv_heads % t and t % shape.kv_heads))):
-            continue
+    for t in _tp_sizes(shape, gpus, max_tp):
         for p in _divisors(gpus // t):
             if p > shape.layers:
                 continue
@@ -178,6 +181,50 @@ def candidates(shape: ModelShape, gpus: int, global_batch: int, max_b: int = 16,
                                 for zb in ((False, True) if zbs else (False,)):
                                     out.append(Candidate(d, p, t, b, m, v, recompute, zero, sp, zb))
     return out
+
+
+def _tp_sizes(shape: ModelShape, gpus: int, max_tp: int | None) -> list:
+    """The tp sizes ``candidates`` may use: dividing the GPUs, the hidden size and the heads (and the kv
+    heads, or a multiple of them)."""
+    return [t for t in _divisors(gpus) if (max_tp is None or t <= max_tp) and not shape.hidden % t
+            and not (shape.attention and (shape.heads % t or (shape.kv_heads % t and t % shape.kv_heads)))]
+
+
+def _meshes(shape: ModelShape, gpus: int, global_batch: int, max_tp: int | None) -> list:
+    """(t, p, d) of ``gpus`` with at least one configuration: p at most the layers, d dividing the batch,
+    and a pipeline given at least p microbatches (b = 1 gives the most)."""
+    return [(t, p, gpus // (t * p)) for t in _tp_sizes(shape, gpus, max_tp) for p in _divisors(gpus // t)
+            if p <= shape.layers and not global_batch % (gpus // (t * p))
+            and (p == 1 or global_batch // (gpus // (t * p)) >= p)]
+
+
+def no_configuration(shape: ModelShape, gpus: int, global_batch: int, max_tp: int | None = None) -> str:
+    """Why no configuration of ``gpus`` GPUs is legal, by the first rule that leaves none, and the nearest
+    GPU counts and batches that have one."""
+    head = f"no legal configuration of {gpus} GPUs for {shape.name} and a global batch of {global_batch}: "
+    ts = _tp_sizes(shape, gpus, max_tp)
+    if not ts:
+        why = (f"no tp size divides the {gpus} GPUs, the hidden size {shape.hidden} and the {shape.heads} heads "
+               f"({shape.kv_heads} kv heads)" + (f" at most max_tp={max_tp}" if max_tp is not None else ""))
+    else:
+        shapes = [(t, p) for t in ts for p in _divisors(gpus // t) if p <= shape.layers]
+        if not shapes:
+            why = (f"every split of the GPUs over tp sizes {ts} needs more pipeline stages than the "
+                   f"{shape.layers} layers")
+        elif not any(not global_batch % (gpus // (t * p)) for t, p in shapes):
+            ds = sorted({gpus // (t * p) for t, p in shapes})
+            why = f"the batch divides over none of the dp sizes the GPUs allow ({', '.join(map(str, ds[:8]))})"
+        else:
+            why = ("each split whose dp size divides the batch is a pipeline with fewer microbatches than "
+                   "stages (a pipeline of p stages needs at least p)")
+    near = sorted({n for n in range(max(1, gpus - 16), gpus + 17)
+                   if n != gpus and _meshes(shape, n, global_batch, max_tp)}, key=lambda n: (abs(n - gpus), n))[:3]
+    batches = [b for b in sorted(range(max(1, global_batch // 2), 2 * global_batch + 65),
+                                 key=lambda b: (abs(b - global_batch), b))
+               if b != global_batch and _meshes(shape, gpus, b, max_tp)][:1]
+    fixes = ([f"{', '.join(map(str, sorted(near)))} GPUs"] if near else []) + \
+            ([f"a global batch of {batches[0]}"] if batches else [])
+    return head + why + (f"; these would plan: {' or '.join(fixes)}" if fixes else "")
 
 
 def _sequence_parallel(t: int, seq: int, recompute: str) -> tuple:
@@ -214,7 +261,14 @@ def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int
     name of ``planner.runtimes.RUNTIMES``)."""
     start = time.perf_counter()
     gpus, global_batch, top = (_positive(n, v) for n, v in (("gpus", gpus), ("global_batch", global_batch), ("top", top)))
+    if max_tp is not None:
+        max_tp = _positive("max_tp", max_tp)
+    if memory_limit is not None and (isinstance(memory_limit, bool) or not isinstance(memory_limit, numbers.Real)
+                                     or not memory_limit > 0):
+        raise ValueError(f"memory_limit={memory_limit!r}: give the bytes a GPU may hold, a positive number")
     shape = model_shape(model, seq)
+    if shape.layers < 1:
+        raise ValueError(f"ModelShape {shape.name!r}: layers={shape.layers}; give a positive whole number")
     cluster = cluster_named(cluster)
     runtime = runtime_named(runtime)
     # ZB-H1 fills the bubble with W, which buys nothing where ranks share cores: a rank idle in the bubble
@@ -222,11 +276,7 @@ def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int
     # ms, 1F1B 68.2; priced alike, the planner had predicted ZB-H1 13% faster
     pool = candidates(shape, gpus, global_batch, max_tp=max_tp, zero_bubble=cluster.oversubscription <= 1)
     if not pool:
-        raise ValueError(f"no legal configuration of {gpus} GPUs for {shape.name} (heads {shape.heads}, layers "
-                         f"{shape.layers}) and a global batch of {global_batch}: the batch must divide over some dp "
-                         "size, and a tp size must divide the heads")
-    if memory_limit is not None and not memory_limit > 0:
-        raise ValueError(f"memory_limit={memory_limit!r}: give the bytes a GPU may hold, a positive number")
+        raise ValueError(no_configuration(shape, gpus, global_batch, max_tp))
     limit = usable_bytes(cluster, memory_limit)
     fits, big = [], []
     for i, c in enumerate(pool):
@@ -238,13 +288,16 @@ def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int
     big.sort(key=lambda q: q.step_seconds)
     ranked = []
     winner = fits[0] if fits else None
+    made = _PlanMaker(shape.seq, "bf16" if cluster.activation_bytes == 2 else None, runtime.name)
     for q in _distinct(fits)[:top]:
-        ranked.append(_plan(q, True, _why(q, winner, limit) if q is not winner else _bound(q)))
-    faster = [q for q in big if winner is None or q.step_seconds < winner.step_seconds]
-    too_big = [_plan(q, False, f"needs {size(q.memory.total)} per GPU, {size(q.memory.total - limit)} more than "
-                               f"the {size(limit)} {_limit_word(cluster, limit)}")
+        ranked.append(made(q, True, _why(q, winner, limit) if q is not winner else _bound(q)))
+    # the faster configurations that do not fit; where none fits at all, the nearest misses instead
+    faster = ([q for q in big if q.step_seconds < winner.step_seconds] if winner is not None
+              else sorted(big, key=lambda q: q.memory.total))
+    too_big = [made(q, False, f"needs {size(q.memory.total)} per GPU, {size(q.memory.total - limit)} more than "
+                              f"the {size(limit)} {_limit_word(cluster, limit)}")
                for q in _distinct(faster)[:top]]
-    priced = [_plan(q, True, "") for q in fits] + [_plan(q, False, "") for q in big]
+    priced = [made(q, True, "") for q in fits] + [made(q, False, "") for q in big]
     return Plans(shape, cluster, gpus, global_batch, ranked, too_big, len(pool), time.perf_counter() - start, priced,
                  memory_limit, runtime)
 
@@ -253,9 +306,29 @@ def _limit_word(cluster: Cluster, limit: float) -> str:
     return "allowed (memory_limit)" if limit < usable_bytes(cluster) else "usable"
 
 
-def _plan(q: Prediction, fits: bool, why: str) -> Plan:
-    c = q.candidate
-    return Plan(c.dp, c.pp, c.tp, c.b, c.m, c.v, c.schedule, c.recompute, c.zero, c.sp, q, fits, why)
+@dataclass(frozen=True)
+class _PlanMaker:
+    """``Plan`` records of one ``plan()`` call: what each was priced for besides its configuration."""
+    seq: int
+    mixed_precision: str | None
+    runtime: str
+
+    def __call__(self, q: Prediction, fits: bool, why: str) -> Plan:
+        c = q.candidate
+        return Plan(c.dp, c.pp, c.tp, c.b, c.m, c.v, c.schedule, c.recompute, c.zero, c.sp, q, fits, why,
+                    self.seq, self.mixed_precision, self.runtime)
+
+
+def check_plan(plan) -> Plan:
+    """``plan`` as ``parallelize(plan=)`` and ``init_mesh(plan=)`` take it: one ``Plan``, else a TypeError
+    that says which to pass."""
+    if isinstance(plan, Plans):
+        raise TypeError("plan= takes one Plan, and this is the ranked Plans of autoshard.plan(...): pass "
+                        "plans.best (the winner) or one of plans.ranked")
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan= takes a Plan of autoshard.plan(...), not {type(plan).__name__}: pass "
+                        "autoshard.plan(model, gpus, ...).best")
+    return plan
 
 
 def _bound(q: Prediction) -> str:

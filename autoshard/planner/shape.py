@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from dataclasses import dataclass
 
 from autoshard.planner.blocks import Gemm, Mixer
@@ -53,6 +54,15 @@ class ModelShape:
     # a layer that runs both softmax attention and the mixer runs them side by side on one residual branch
     # (Falcon-H1, Hymba): their row-parallel outputs add before the branch's one all-reduce
     parallel_mixer: bool = False
+
+    def _check_sizes(self):
+        # layers may be 0 while a hybrid's shape is read (its layer kinds fill them in); plan() needs one
+        for name in ("layers", "hidden", "heads", "kv_heads", "vocab", "seq"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < (name != "layers"):
+                raise ValueError(f"ModelShape {self.name!r}: {name}={value!r}; give a positive whole number")
+        if self.ffn < 0 or self.positions < 0:
+            raise ValueError(f"ModelShape {self.name!r}: ffn={self.ffn}, positions={self.positions}; give 0 or more")
 
     @property
     def head_dim(self) -> int:
@@ -184,6 +194,7 @@ class ModelShape:
         return next(kind for kind, idx in self.layer_kinds() if i in idx)
 
     def __post_init__(self):
+        self._check_sizes()
         # the layouts as sorted tuples (the shape is hashed: the cost model caches per shape), in range
         for name in ("dense_layers", "mixer_layers", "attention_free_layers", "mlp_free_layers"):
             given = tuple(sorted(set(getattr(self, name))))

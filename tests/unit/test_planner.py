@@ -4,6 +4,7 @@ reads a model's sizes is ``test_planner_shape.py``."""
 import copy
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -215,9 +216,15 @@ def test_every_plan_fits_and_the_faster_ones_that_do_not_say_by_how_much():
 
 
 def test_nothing_fits_is_a_clear_error():
-    plans = plan(BUILTIN["gpt-1t"], 8, "dgx-a100", 8)
-    with pytest.raises(ValueError, match="no configuration of 8 GPUs fits .* the smallest needs"):
+    """The error names the configuration that needs least, of every one priced (not of the few fastest),
+    and the CLI's out-of-memory table lists the nearest misses."""
+    plans = plan(BUILTIN["gpt-175b"], 8, "dgx-a100", 8)
+    smallest = min(plans.priced, key=lambda p: p.memory_bytes)
+    with pytest.raises(ValueError, match=f"no configuration of 8 GPUs fits .* the smallest, {smallest.label()}, "
+                                         f"needs {smallest.memory_bytes / 2**30:.1f} GiB"):
         plans.best
+    assert plans.too_big[0].memory_bytes == smallest.memory_bytes
+    assert [p.memory_bytes for p in plans.too_big] == sorted(p.memory_bytes for p in plans.too_big)
     for kw, name in ((dict(gpus=0), "gpus=0"), (dict(global_batch=2.5), "global_batch=2.5"), (dict(top=-1), "top=-1")):
         with pytest.raises(ValueError, match=f"{name}: give a positive whole number"):
             plan(BUILTIN["gpt-1.7b"], **{"gpus": 8, "global_batch": 8, **kw})
@@ -244,7 +251,8 @@ def test_a_plan_trains_exactly_like_the_model():
     cfg = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)
     model = GPT(cfg)
     shape = model_shape(cfg)
-    best = plan(shape, 1, DGX_A100.with_(hbm_bytes=7e5), global_batch=8).best   # a tiny GPU: microbatches
+    # a tiny GPU (so microbatches), priced in fp32 as the single-device model runs here
+    best = plan(shape, 1, DGX_A100.with_(hbm_bytes=8e5, compute_dtype="fp32"), global_batch=8).best
     assert best.m > 1, best.label()
     idx = torch.randint(0, 64, (8, 16))
     tgt = torch.randint(0, 64, (8, 16))
@@ -264,6 +272,13 @@ def test_a_plan_trains_exactly_like_the_model():
         autoshard.parallelize(copy.deepcopy(model), {"tp": 2}, (idx, tgt), plan=best)
     with pytest.raises(ValueError, match="the example batch has 4"):
         autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (idx[:4], tgt[:4]), plan=best)
+    with pytest.raises(ValueError, match="priced for sequences of 16 tokens, but the example batch's token ids have 8"):
+        autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (idx[:, :8], tgt[:, :8]), plan=best)
+    with pytest.raises(TypeError, match="not dict"):
+        autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (idx, tgt), plan=best.mesh)
+    bf16 = dataclasses.replace(best, mixed_precision="bf16")
+    with pytest.raises(ValueError, match="disagrees with the plan's mixed_precision='bf16'.*compute_dtype='fp32'"):
+        autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (idx, tgt), plan=bf16, mixed_precision=None)
 
 
 def test_selective_recompute_sits_between_none_and_full():
@@ -363,3 +378,62 @@ def test_a_runtime_that_reduces_after_backward_exposes_the_whole_dp_all_reduce()
     assert after.breakdown.dp_comm == pytest.approx(ring, rel=1e-3)
     half = predict(shape, DGX_A100, c, flash=False, runtime=Runtime("megatron", dp_overlap=False, grad_bytes=2))
     assert half.breakdown.dp_comm == pytest.approx(ring_all_reduce_seconds(2 * shape.params(), 32, link), rel=1e-3)
+
+
+def test_impossible_requests_name_the_rule_and_what_would_plan():
+    with pytest.raises(ValueError, match="fewer microbatches than stages.*would plan: 8, 12, 24 GPUs"):
+        plan(BUILTIN["gpt-1.7b"], 16, global_batch=1)
+    with pytest.raises(ValueError, match=r"divides over none of the dp sizes the GPUs allow \(5, 25, 125\).*"
+                                         "120, 124, 128 GPUs or a global batch of 510"):
+        plan(BUILTIN["gpt-7.5b"], 125, global_batch=512)
+    for kw, what in ((dict(seq=0), "seq=0"), (dict(seq=2.5), "seq=2.5"), (dict(max_tp=0), "max_tp=0"),
+                     (dict(memory_limit="4e10"), "memory_limit='4e10'"), (dict(seq=4096), "learned position table")):
+        with pytest.raises(ValueError, match=re.escape(what)):
+            plan(BUILTIN["gpt-1.7b"], 8, global_batch=8, **kw)
+    with pytest.raises(TypeError, match="model=None"):
+        plan(None, 8)
+
+
+def test_clusters_and_shapes_with_unphysical_numbers_are_refused():
+    from autoshard.planner.cluster import Link
+    for change, what in ((dict(inter=Link(-1e9, 1e-6)), "inter.bandwidth"), (dict(peak_flops=0), "peak_flops=0"),
+                         (dict(usable_memory=1.5), "usable_memory=1.5"), (dict(hbm_bandwidth="2e12"), "hbm_bandwidth"),
+                         (dict(compute_dtype="int8"), "compute_dtype")):
+        with pytest.raises(ValueError, match=re.escape(what)):
+            DGX_A100.with_(**change)
+    for change, what in ((dict(heads=0), "heads=0"), (dict(seq=-5), "seq=-5"), (dict(kv_heads=0), "kv_heads=0")):
+        with pytest.raises(ValueError, match=re.escape(what)):
+            dataclasses.replace(BUILTIN["gpt-1.7b"], **change)
+
+
+def test_a_group_that_straddles_two_nodes_is_priced_on_the_slower_link():
+    """init_mesh puts tp fastest: tp=3 on 8-GPU nodes makes the group of ranks 6, 7 and 8, across two nodes,
+    and the slowest group paces the step. tp=4 and tp=8 tile a node; a pp group of t x p ranks likewise."""
+    assert DGX_A100.link(3, 1) is DGX_A100.inter and DGX_A100.link(6, 1) is DGX_A100.inter
+    assert DGX_A100.link(4, 1) is DGX_A100.intra and DGX_A100.link(8, 1) is DGX_A100.intra
+    assert DGX_A100.link(2, 2) is DGX_A100.intra and DGX_A100.link(3, 2) is DGX_A100.inter
+    assert DGX_A100.link(2, 8) is DGX_A100.inter
+
+
+def test_a_plan_asks_for_the_precision_it_was_priced_at():
+    """The presets price bf16 GEMMs and 2-byte activations: the plan sets mixed_precision="bf16" for
+    parallelize. An fp32 cluster's plans hold twice the activation bytes and set nothing."""
+    shape = BUILTIN["gpt-1.7b"]
+    bf16 = plan(shape, 8, DGX_A100, 64)
+    fp32 = plan(shape, 8, DGX_A100.with_(compute_dtype="fp32"), 64)
+    assert bf16.best.parallelize_options()["mixed_precision"] == "bf16" and bf16.best.seq == 2048
+    assert "mixed_precision" not in fp32.best.parallelize_options()
+    c = Candidate(dp=1, pp=2, tp=4, b=1, m=8)
+    assert predict(shape, DGX_A100.with_(compute_dtype="fp32"), c).memory.activations == pytest.approx(
+        2 * predict(shape, DGX_A100, c).memory.activations, rel=0.05)      # the fp32 logits are 4 bytes in both
+    with pytest.raises(TypeError, match="pass plans.best"):
+        autoshard.init_mesh(plan=bf16)
+
+
+def test_an_uneven_pipeline_split_holds_the_larger_stages_activations():
+    """gpt-1.7b's 24 layers on 5 stages: some rank holds ceil(24 / 5) = 5 layers' activations, as the
+    compute prices its slowest stage; 1F1B's first rank holds 5 microbatches of them."""
+    shape = BUILTIN["gpt-1.7b"]
+    c = Candidate(dp=1, pp=5, tp=1, b=1, m=10)
+    layer = activation_bytes_per_layer(shape, 1, 1, "none", True, False)
+    assert stage_memory(shape, c, 0).activations == pytest.approx(in_flight(5, 10, 1, 0) * 5 * layer)
