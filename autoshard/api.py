@@ -86,6 +86,10 @@ def compile_rank(model: nn.Module, mesh, rank: int, example_args=(), example_kwa
 
 def _rank_options(options: CompileOptions | None, keywords: dict, entry: str) -> CompileOptions | None:
     """A single program's options: keywords make no pipeline (that is ``compile_pipeline``'s)."""
+    if keywords.get("memory_limit") is not None:
+        raise ValueError(f"{entry}(memory_limit=...): a memory limit bounds pm.step's pipeline (its microbatches "
+                         "in flight, and the recompute and sequence parallelism that fit them); compile with "
+                         "compile_pipeline, or parallelize, which do")
     options = _options(options, keywords, entry)
     return dataclasses.replace(options, pipeline=None) if keywords else options
 
@@ -149,7 +153,8 @@ def _pins_by_graph_name(options: CompileOptions, captured) -> CompileOptions:
 
 def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example_kwargs=None,
                      options: CompileOptions | None = None, training: bool = True,
-                     captures: CaptureCache | None = None, **keywords) -> PipelineProgram:
+                     captures: CaptureCache | None = None, _memory_chosen: bool = False,
+                     **keywords) -> PipelineProgram:
     """Compile ``model``'s training step for global ``rank`` of ``mesh`` as a pipeline of ``pp x v`` stages
     over ``options.pipeline.microbatches`` microbatches. The example inputs are the whole batch.
 
@@ -157,13 +162,18 @@ def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example
     boundary and every tied weight has one placement), then cut into stages (``passes/stages.py``). Every
     rank compiles every stage, so all ranks agree on the plan; each runs its own. The options are
     ``options=`` or ``parallelize``'s keywords (``microbatches=8, schedule="interleaved"``, ...);
-    ``captures``, a ``CaptureCache`` to take the microbatch's capture from (or add it to)."""
+    ``captures``, a ``CaptureCache`` to take the microbatch's capture from (or add it to). A
+    ``memory_limit`` chooses recompute and sequence parallelism as ``parallelize`` does (which has chosen
+    them already when it calls here: ``_memory_chosen``), so a compile-only dump is the program it runs."""
+    fixed = _user_memory_settings(keywords, options, None)
     options = _options(options, keywords, "compile_pipeline") or CompileOptions(pipeline=PipelineOptions())
     if options.pipeline is None:
         options = dataclasses.replace(options, pipeline=PipelineOptions())
-    options = _recompute_resolved(dataclasses.replace(options, loss_only=True), model)
     spec = mesh_spec(mesh)
     spec.coords(rank)
+    if not _memory_chosen:      # a direct call: memory_limit's recompute and SP, as parallelize chooses them
+        options, _ = _memory_limited(model, spec, example_args, example_kwargs, options, fixed, rank)
+    options = _recompute_resolved(dataclasses.replace(options, loss_only=True), model)
     check_pass_list(options.disable)
     start = time.perf_counter()
     popts = options.pipeline
@@ -282,13 +292,14 @@ _MEMORY_SETTINGS = {"recompute": "auto", "sequence_parallel": False}     # what 
 
 
 def _user_memory_settings(keywords: dict, options: CompileOptions | None, plan) -> set:
-    """The settings ``memory_limit`` must not change, only check: given as keywords, set away from their
+    """The settings ``memory_limit`` must not change, only check: given as keywords (an explicit
+    ``sequence_parallel=False`` too; ``recompute="auto"`` leaves the choice free), set away from their
     default in ``options=``, or decided by a plan."""
     if plan is not None:
         return set(_MEMORY_SETTINGS)
     if options is not None:
         return {k for k, default in _MEMORY_SETTINGS.items() if getattr(options, k) != default}
-    return {k for k, default in _MEMORY_SETTINGS.items() if keywords.get(k, default) != default}
+    return {k for k in _MEMORY_SETTINGS if k in keywords and keywords[k] != "auto"}
 
 
 def _memory_limited(model, spec, args, kwargs, options: CompileOptions, fixed: set, rank: int) -> tuple:
@@ -407,7 +418,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     captures = CaptureCache()       # one trace per call signature, whichever of this module's programs asks
     if spec.pp > 1:
         with torch.enable_grad():          # traced as pm.step traces it (parallelize may be called under no_grad)
-            program = compile_pipeline(model, spec, rank, example_args, example_kwargs, options, captures=captures)
+            program = compile_pipeline(model, spec, rank, example_args, example_kwargs, options, captures=captures,
+                                       _memory_chosen=True)
         _say_compiled(program, spec, rank)
         _dump_memory(memory, options, rank)
         comms = comms_for_mesh(mesh, spec, rank) if spec.size > 1 else None
@@ -424,7 +436,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
             if popts.schedule == "auto" and program.schedule.virtual == 2:   # auto chose ZB-V: its 2p stages
                 popts = dataclasses.replace(popts, schedule="zb-v")
             later = dataclasses.replace(options, pins={**pins, **options.pins}, dump=None, pipeline=popts)
-            return compile_pipeline(model, spec, rank, args, kwargs, later, training=training, captures=captures)
+            return compile_pipeline(model, spec, rank, args, kwargs, later, training=training, captures=captures,
+                                    _memory_chosen=True)
         pm = ParallelModule(program, model, comms, mesh["tp"] if real_mesh else None, step_compiler=twin_compiler,
                             max_programs=max_programs, peers=peers, tie_groups=ties, p2p_groups=p2p)
         pm.memory_choice, pm.captures = memory, captures
@@ -444,7 +457,8 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
         if not training:               # pm.eval_batch: one stage, as the training step's
             popts = dataclasses.replace(popts, stretches=())
         later = dataclasses.replace(step_options, pins={**pins, **options.pins}, dump=dump, pipeline=popts)
-        return compile_pipeline(model, spec, rank, args, kwargs, later, training=training, captures=captures)
+        return compile_pipeline(model, spec, rank, args, kwargs, later, training=training, captures=captures,
+                                _memory_chosen=True)
 
     def step_compiler(args, kwargs, training):
         out = dump_dir(options.dump)   # a step program compiled on first use dumps into step/

@@ -16,6 +16,7 @@ and returns the ``PlanReport``).
 from __future__ import annotations
 
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -330,6 +331,20 @@ def sequence_shards(gm, choice: dict, strategies: dict, t: int) -> dict:
     return out
 
 
+def no_sequence_shards(gm, t: int) -> str:
+    """Why ``sequence_shards`` found nothing to shard, and the fix where there is one."""
+    stream = residual_stream_shape(gm)
+    if stream is None or len(stream) < 3:
+        return "no [batch, sequence, hidden] residual stream was found (no embedding's output)"
+    if stream[1] % t:
+        up = -(-stream[1] // t) * t
+        return (f"the sequence ({stream[1]} tokens) does not split evenly over tp={t}; pad the batch to "
+                f"{up} tokens (labels -100 on the padding)")
+    return (f"no tensor of the stream's shape {tuple(stream)} sits replicated between a row-parallel output and "
+            "the next column-parallel input (an embedding narrower than the layers, as OPT-350m's, or tokens "
+            "added to the stream after the embedding)")
+
+
 def plan_pass(gm, ctx):
     """Placements for every node on the tp axis, from the op rules and the ILP (``ctx``: the pass context)."""
     rctx = RuleContext(ctx.mesh, "tp", hints=block_hints(gm, ctx.mesh.tp))
@@ -340,9 +355,14 @@ def plan_pass(gm, ctx):
     sol = solve(prob, f"tp={rctx.t}")
     if ctx.options.sequence_parallel and rctx.t > 1:
         stream = sequence_shards(gm, sol.choice, prob.strategies, rctx.t)
-        rctx.unruled.clear()          # the second build lists them again
-        prob = build_problem(gm, rctx, ctx.options.cost_model, ctx.options.pins, rg, replicated, outs=stream)
-        sol = solve(prob, f"tp={rctx.t}, sequence parallel")
+        if stream:
+            rctx.unruled.clear()          # the second build lists them again
+            prob = build_problem(gm, rctx, ctx.options.cost_model, ctx.options.pins, rg, replicated, outs=stream)
+            sol = solve(prob, f"tp={rctx.t}, sequence parallel")
+        else:
+            warnings.warn(f"autoshard: sequence_parallel was asked for, but {no_sequence_shards(gm, rctx.t)}: the "
+                          "model runs as plain tensor parallelism (all-reduces, the stream whole on every rank)",
+                          stacklevel=2)
     report = apply_solution(gm, sol, rctx, rg, prob.unruled, replicated)
     report.attention = [lay.describe(rctx.t) for lay in layouts]
     gm.meta[M.PLAN_REPORT] = report

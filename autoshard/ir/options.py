@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from dataclasses import dataclass, field, fields
 
@@ -188,6 +190,11 @@ class PipelineOptions:
             raise ValueError(f"zero={self.zero!r}: autoshard implements ZeRO stage 1 (zero=1) or none (zero=0)")
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise ValueError(f"microbatches must be an int >= 1, got {self.microbatches!r}")
+        if self.memory_limit is not None and (isinstance(self.memory_limit, bool)
+                                              or not isinstance(self.memory_limit, numbers.Real)
+                                              or not 0 < self.memory_limit < math.inf):
+            raise ValueError(f"memory_limit={self.memory_limit!r}: give the bytes a rank may hold, a positive "
+                             "number (8 GiB: 8 * 2**30)")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r}: choose one of {SCHEDULES}")
         if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
@@ -237,7 +244,8 @@ class CompileOptions:
         # the planner's names for them (Plan.recompute, plan.md): "full" is True, "none" False
         self.recompute = {"full": True, "none": False}.get(self.recompute, self.recompute) \
             if isinstance(self.recompute, str) else self.recompute
-        if self.recompute not in (True, False, "auto", "selective"):
+        # 1 == True: an int flag (argparse, YAML) would pass the check below and then fail every ``is True``
+        if type(self.recompute) not in (bool, str) or self.recompute not in (True, False, "auto", "selective"):
             raise ValueError(f"recompute={self.recompute!r}: True or 'full' (every layer keeps only its input and "
                              "runs again in backward), 'selective' (each attention's core runs again), False or "
                              "'none', or 'auto' (as the model's is_gradient_checkpointing)")
@@ -251,7 +259,7 @@ class CompileOptions:
                 raise ValueError(f"recompute_stages={tuple(stages)} with recompute=False: say how those stages "
                                  "recompute (recompute=True or 'selective')")
             self.recompute_stages = tuple(sorted(set(stages)))
-        if self.sequence_parallel not in (True, False, "regather"):
+        if type(self.sequence_parallel) not in (bool, str) or self.sequence_parallel not in (True, False, "regather"):
             raise ValueError(f"sequence_parallel={self.sequence_parallel!r}: True (the residual stream sharded along "
                              "the sequence between tp regions, each column-parallel input kept gathered for its "
                              "weight gradient), 'regather' (kept as the sequence shard and gathered again in "

@@ -118,3 +118,20 @@ def test_regather_keeps_the_shard_and_gathers_it_again_in_backward(t):
 def test_sequence_parallel_takes_true_false_or_regather():
     with pytest.raises(ValueError, match="'regather'"):
         autoshard.CompileOptions(sequence_parallel="yes")
+
+
+def test_a_sequence_that_does_not_split_over_tp_is_said_not_silently_dropped():
+    """Sequence parallelism needs the sequence to split evenly over tp: at 15 tokens and tp=2 the program is
+    plain TP, and a warning says why and how to pad."""
+    cfg = T.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(cfg)
+    ids = torch.randint(0, 128, (2, 15), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(input_ids=ids, labels=ids.clone(), use_cache=False)
+    with pytest.warns(UserWarning, match="sequence \\(15 tokens\\) does not split evenly over tp=2; pad the batch to "
+                                         "16 tokens.*runs as plain tensor parallelism"):
+        prog = autoshard.compile_rank(model, {"tp": 2}, 0, (), kwargs,
+                                      options=autoshard.CompileOptions(loss_only=True, sequence_parallel=True))
+    calls = comm_summary(prog.collectives)[0]
+    assert not any(kind == "reduce_scatter" for (_, _, kind) in calls), calls

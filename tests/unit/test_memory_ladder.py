@@ -267,3 +267,36 @@ def test_the_schedule_and_the_compute_dtype_set_the_activation_bytes():
         assert zb2[r].activations - extra == pytest.approx(one_f[0].activations * 7 / 4)     # min(8, 2p - 1) = 7
         assert fp32[r].activations - extra == pytest.approx(2 * (one_f[r].activations - extra))
     assert choose(SHAPE, 1e15, pp=4, b=1, m=8, schedule="gpipe").chosen.bytes > choose(SHAPE, 1e15, pp=4, b=1, m=8).chosen.bytes
+
+
+def test_compile_only_entry_points_choose_what_parallelize_chooses():
+    """compile_pipeline(memory_limit=...) applies the ladder's choice, as parallelize does, so a dump made
+    without processes is the program parallelize runs; compile_rank, which compiles no pipeline, refuses
+    a limit instead of dropping it; an explicit sequence_parallel=False is the user's, only checked."""
+    model, idx, tgt = _gpt()
+    free = choose(model_shape(model, 16), 1e15, b=4, flash=False, activation_bytes=4)
+    limit = (free.rungs[0].bytes + free.rungs[1].bytes) / 2
+    pm = autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (idx, tgt), loss_only=True, memory_limit=limit)
+    prog = autoshard.compile_pipeline(copy.deepcopy(model), {"tp": 1}, 0, (idx, tgt), memory_limit=limit)
+    assert prog.options.recompute == pm.program.options.recompute == "selective"
+    with pytest.raises(ValueError, match="compile_rank\\(memory_limit=...\\).*compile with compile_pipeline"):
+        autoshard.compile_rank(model, {"tp": 1}, 0, (idx, tgt), memory_limit=limit)
+    from autoshard.api import _user_memory_settings
+    assert _user_memory_settings(dict(sequence_parallel=False, memory_limit=1e12), None, None) == {"sequence_parallel"}
+    assert _user_memory_settings(dict(recompute="auto", memory_limit=1e12), None, None) == set()
+
+
+@pytest.mark.parametrize("bad", ["8GB", float("nan"), True, -1, float("inf")])
+def test_a_memory_limit_that_is_not_bytes_is_refused(bad):
+    with pytest.raises(ValueError, match="memory_limit=.*give the bytes a rank may hold"):
+        autoshard.compile_options(memory_limit=bad)
+
+
+@pytest.mark.parametrize("flag", [1, 0, 1.0])
+def test_an_int_recompute_flag_is_refused_not_read_as_off(flag):
+    """recompute=1 equals True but is not True: every pass that tests ``is True`` would skip it (and a
+    memory limit count it as full recompute)."""
+    with pytest.raises(ValueError, match=f"recompute={flag!r}"):
+        autoshard.compile_options(recompute=flag)
+    with pytest.raises(ValueError, match=f"sequence_parallel={flag!r}"):
+        autoshard.compile_options(sequence_parallel=flag)

@@ -10,6 +10,7 @@ import autoshard
 from autoshard.ir.options import CompileOptions, CostModel, PipelineOptions
 from autoshard.passes.microbatch_loss import LossError
 from autoshard.passes.pipeline_split import PipelineSplitError
+from autoshard.planner.memory_ladder import MemoryLimitError
 from tests.harness import families
 from tests.harness.models import batch, build
 from tests.harness.family_pipeline_checks import aux_loss_reference, mixtral_with_aux_loss
@@ -93,8 +94,13 @@ def test_memory_limit_is_respected_or_refused():
     limit = max(free.plan.predicted_peak_bytes.values()) * 1.5
     bounded = compile_pp(model, args, kwargs, memory_limit=limit)
     assert max(bounded.plan.predicted_peak_bytes.values()) <= limit * 1.01
-    with pytest.raises(PipelineSplitError, match="no 2-stage split fits memory_limit"):
+    # the memory ladder (as parallelize runs it) refuses first, naming what is missing
+    with pytest.raises(MemoryLimitError, match="does not fit: the smallest, full recompute, needs"):
         compile_pp(model, args, kwargs, memory_limit=1000)
+    # the stage balancer's own bound, where the ladder has chosen already (parallelize's calls)
+    with pytest.raises(PipelineSplitError, match="no 2-stage split fits memory_limit"):
+        autoshard.compile_pipeline(model, {"pp": 2}, 0, args, kwargs, CompileOptions(
+            pipeline=PipelineOptions(microbatches=2, memory_limit=1000)), _memory_chosen=True)
 
 
 def test_loss_rewrite_counts_targets_and_falls_back_with_a_reason():
