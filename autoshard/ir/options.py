@@ -208,8 +208,10 @@ class PipelineOptions:
             # one chunk a rank would be 1F1B: "interleaved" alone means Megatron's smallest interleaving
             object.__setattr__(self, "virtual_stages", 2)
         elif self.virtual_stages > 1 and self.schedule != "interleaved":
+            what = ("chooses v itself (one stage a rank, or ZB-V's two)" if self.schedule == "auto"
+                    else "runs one stage per rank")
             raise ValueError(f"virtual_stages={self.virtual_stages} needs schedule='interleaved' (Megatron's "
-                             f"interleaved 1F1B); '{self.schedule}' runs one stage per rank")
+                             f"interleaved 1F1B); '{self.schedule}' {what}")
         if self.cuts is not None:
             object.__setattr__(self, "cuts", tuple(int(c) for c in self.cuts))
 

@@ -174,7 +174,7 @@ def interleaved_1f1b(pp: int, m: int, v: int) -> Schedule:
                          f"for one chunk per rank use one_f_one_b(pp={pp}, m={m})")
     if pp < 2:
         raise ValueError(f"interleaved_1f1b needs pp >= 2 pipeline ranks, got pp={pp}; "
-                         f"with one rank there is no bubble to shrink: use gpipe(1, m)")
+                         f"with one rank there is no bubble to shrink: use schedule='gpipe' or '1f1b' (or pp > 1)")
     _check_positive(m=m)
     if m % pp:
         below, above = m // pp * pp, (m // pp + 1) * pp

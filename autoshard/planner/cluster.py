@@ -80,6 +80,8 @@ class Cluster:
     # the tensor cores' bf16; ``Plan.parallelize_options`` then asks for ``mixed_precision="bf16"``), the
     # measured dtype for ``measure()`` ("fp32" on a CPU host, whose ranks train in fp32)
     compute_dtype: str = "bf16"
+    # False when ``measure()`` ran in one process: no collective was timed, the links are placeholders
+    links_measured: bool = True
 
     def __post_init__(self):
         _check_cluster(self)
@@ -156,7 +158,7 @@ class Cluster:
         draft = Cluster(name, gpus_per_node=world, peak_flops=peak, hbm_bytes=float(hbm), hbm_bandwidth=hbm_bw,
                         intra=link, inter=link, gemm_max_efficiency=top, gemm_half_dim=half, op_overhead=overhead,
                         oversubscription=oversub, transcendental_rate=transcendental, launch_ahead=cuda,
-                        backend="nccl" if cuda else "gloo", compute_dtype=_DTYPE_NAMES.get(dtype, str(dtype)),
+                        backend="nccl" if cuda else "gloo", links_measured=world > 1, compute_dtype=_DTYPE_NAMES.get(dtype, str(dtype)),
                         source=f"measured on {device.type} ({dtype}), {world} rank(s), {time.strftime('%Y-%m-%d')}")
         measured = [draft if cuda else _calibrated_on_a_layer(draft, repeats)]
         if world > 1:      # one cluster for every rank (rank 0's numbers), so every rank plans the same mesh

@@ -12,6 +12,7 @@ pays most over it), and why each faster configuration was not chosen (memory).
 """
 from __future__ import annotations
 
+import logging
 import numbers
 import operator
 import time
@@ -24,6 +25,7 @@ from autoshard.planner.runtimes import AUTOSHARD, Runtime, runtime_named
 from autoshard.planner.shape import ModelShape
 
 GiB = 2**30
+log = logging.getLogger("autoshard")
 
 
 def size(nbytes: float) -> str:
@@ -270,6 +272,10 @@ def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int
     if shape.layers < 1:
         raise ValueError(f"ModelShape {shape.name!r}: layers={shape.layers}; give a positive whole number")
     cluster = cluster_named(cluster)
+    if gpus > 1 and not cluster.links_measured:
+        log.warning("autoshard: cluster %r was measured in one process, so no collective was timed: its links are "
+                    "placeholders and every communication cost of a %d-GPU plan is a guess; run Cluster.measure() "
+                    "in a process group of the node's ranks (torchrun --nproc-per-node ...)", cluster.name, gpus)
     runtime = runtime_named(runtime)
     # ZB-H1 fills the bubble with W, which buys nothing where ranks share cores: a rank idle in the bubble
     # already lends its core (``cost._shared_cores``). Measured on this 2-core host, pp=4 m=4: ZB-H1 68.3

@@ -203,3 +203,11 @@ def test_cuda_graphs_need_inductor_and_cuda():
         autoshard.parallelize(model, {"tp": 1}, args, cuda_graphs=True)
     with pytest.raises(ValueError, match="this rank computes on cpu: build the mesh on CUDA"):
         autoshard.parallelize(model, {"tp": 1}, args, cuda_graphs=True, codegen="inductor")
+
+
+def test_schedule_option_messages_name_the_schedule_the_user_can_pass():
+    from autoshard.ir.schedule import interleaved_1f1b
+    with pytest.raises(ValueError, match="'auto' chooses v itself"):
+        autoshard.compile_options(schedule="auto", virtual_stages=2, microbatches=4)
+    with pytest.raises(ValueError, match="use schedule='gpipe' or '1f1b'"):
+        interleaved_1f1b(1, 4, 2)

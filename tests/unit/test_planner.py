@@ -437,3 +437,10 @@ def test_an_uneven_pipeline_split_holds_the_larger_stages_activations():
     c = Candidate(dp=1, pp=5, tp=1, b=1, m=10)
     layer = activation_bytes_per_layer(shape, 1, 1, "none", True, False)
     assert stage_memory(shape, c, 0).activations == pytest.approx(in_flight(5, 10, 1, 0) * 5 * layer)
+
+
+def test_a_cluster_measured_in_one_process_says_its_links_are_guesses(caplog):
+    import logging
+    with caplog.at_level(logging.WARNING, logger="autoshard"):
+        plan(BUILTIN["gpt-1.7b"], 8, DGX_A100.with_(links_measured=False), 64)
+    assert "measured in one process" in caplog.text
