@@ -38,6 +38,7 @@ from autoshard.passes.shapes import val
 from autoshard.passes.schedule_auto import choose_schedule, choose_virtual, price_schedule, tries_the_v
 from autoshard.passes.activation_share import activation_share
 from autoshard.passes.chunk_loss import heads_with_the_loss
+from autoshard.passes.plan import sequence_split_problem
 from autoshard.passes.stage_prices import (PerRankRecompute, Segments, _nbytes, boundary_link, kept_for_w, layer_of,
                                            layer_prefix, predict, price, simulation_costs)
 
@@ -214,7 +215,8 @@ def pipeline_split_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     cands = candidates(gm, act)
     prefix = layer_prefix(gm)
     count = len({layer_of(n, prefix) for n in gm.graph.nodes} - {None})
-    sp = ctx.options.sequence_parallel if tp > 1 else False
+    # where the stream cannot split along the sequence (plan_pass warns), the boundaries travel whole
+    sp = ctx.options.sequence_parallel if tp > 1 and not sequence_split_problem(gm, tp) else False
     share = activation_share(gm, cands, tp, sp, selective=False)
     in_b = frozenset(heads_with_the_loss(gm, ctx.options.loss_chunk_rows, tp))    # their dW comes with the loss
     seg = whole = price(gm, act, cands, cm, prefix, share, in_b)

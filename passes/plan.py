@@ -331,8 +331,9 @@ def sequence_shards(gm, choice: dict, strategies: dict, t: int) -> dict:
     return out
 
 
-def no_sequence_shards(gm, t: int) -> str:
-    """Why ``sequence_shards`` found nothing to shard, and the fix where there is one."""
+def sequence_split_problem(gm, t: int) -> str | None:
+    """Why the residual stream cannot be sharded along the sequence over ``t`` ranks, known before the
+    plan (the stage balancer prices boundaries by it): no stream, or a sequence that does not split."""
     stream = residual_stream_shape(gm)
     if stream is None or len(stream) < 3:
         return "no [batch, sequence, hidden] residual stream was found (no embedding's output)"
@@ -340,6 +341,15 @@ def no_sequence_shards(gm, t: int) -> str:
         up = -(-stream[1] // t) * t
         return (f"the sequence ({stream[1]} tokens) does not split evenly over tp={t}; pad the batch to "
                 f"{up} tokens (labels -100 on the padding)")
+    return None
+
+
+def no_sequence_shards(gm, t: int) -> str:
+    """Why ``sequence_shards`` found nothing to shard, and the fix where there is one."""
+    stream = residual_stream_shape(gm)
+    problem = sequence_split_problem(gm, t)
+    if problem:
+        return problem
     return (f"no tensor of the stream's shape {tuple(stream)} sits replicated between a row-parallel output and "
             "the next column-parallel input (an embedding narrower than the layers, as OPT-350m's, or tokens "
             "added to the stream after the embedding)")
@@ -360,9 +370,9 @@ def plan_pass(gm, ctx):
             prob = build_problem(gm, rctx, ctx.options.cost_model, ctx.options.pins, rg, replicated, outs=stream)
             sol = solve(prob, f"tp={rctx.t}, sequence parallel")
         else:
-            warnings.warn(f"autoshard: sequence_parallel was asked for, but {no_sequence_shards(gm, rctx.t)}: the "
-                          "model runs as plain tensor parallelism (all-reduces, the stream whole on every rank)",
-                          stacklevel=2)
+            warnings.warn(f"autoshard: sequence_parallel was asked for, but {no_sequence_shards(gm, rctx.t)}: "
+                          "the model runs as plain tensor parallelism (all-reduces, the stream whole on every "
+                          "rank)", stacklevel=2)
     report = apply_solution(gm, sol, rctx, rg, prob.unruled, replicated)
     report.attention = [lay.describe(rctx.t) for lay in layouts]
     gm.meta[M.PLAN_REPORT] = report

@@ -5,6 +5,7 @@ forward, reduce-scatter backward), and the norms' weight gradients are summed ov
 backward: ``ir/partial_grads``). Exact against the
 single-device model; the pipeline and dp runs are in ``tests/distributed/test_pipeline.py``."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -135,3 +136,12 @@ def test_a_sequence_that_does_not_split_over_tp_is_said_not_silently_dropped():
                                       options=autoshard.CompileOptions(loss_only=True, sequence_parallel=True))
     calls = comm_summary(prog.collectives)[0]
     assert not any(kind == "reduce_scatter" for (_, _, kind) in calls), calls
+    # the stage balancer prices what runs: whole boundaries and activations, as without SP
+    peaks = []
+    for sp in (True, False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pipe = autoshard.compile_pipeline(model, {"pp": 2, "tp": 2}, 0, (), kwargs, microbatches=2,
+                                              sequence_parallel=sp)
+        peaks.append(pipe.plan.predicted_peak_bytes)
+    assert peaks[0] == peaks[1]
