@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 import time
 from dataclasses import dataclass
@@ -371,25 +372,28 @@ def _check_cluster(c: Cluster) -> None:
     """A ``Cluster``'s numbers must be physical: a zero or negative rate would price a step at nothing, or
     below nothing, and rank it first."""
     def positive(name, value):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
             raise ValueError(f"Cluster {c.name!r}: {name}={value!r}; give a positive number")
     positive("gpus_per_node", c.gpus_per_node)
     if int(c.gpus_per_node) != c.gpus_per_node:
         raise ValueError(f"Cluster {c.name!r}: gpus_per_node={c.gpus_per_node!r}; give a whole number")
-    for name in ("peak_flops", "hbm_bytes", "hbm_bandwidth", "gemm_max_efficiency", "gemm_half_dim",
-                 "usable_memory", "oversubscription", "transcendental_rate"):
+    # gemm_max_efficiency may pass 1: measure() calibrates it on a whole layer's time; gemm_half_dim may
+    # be 0 (a flat curve)
+    for name in ("peak_flops", "hbm_bytes", "hbm_bandwidth", "gemm_max_efficiency", "usable_memory",
+                 "oversubscription", "transcendental_rate"):
         positive(name, getattr(c, name))
-    for name in ("gemm_max_efficiency", "usable_memory"):
-        if getattr(c, name) > 1:
-            raise ValueError(f"Cluster {c.name!r}: {name}={getattr(c, name)!r} is a fraction; give one in (0, 1]")
+    if not isinstance(c.gemm_half_dim, numbers.Real) or c.gemm_half_dim < 0:
+        raise ValueError(f"Cluster {c.name!r}: gemm_half_dim={c.gemm_half_dim!r}; give a size, 0 or more")
+    if c.usable_memory > 1:
+        raise ValueError(f"Cluster {c.name!r}: usable_memory={c.usable_memory!r} is a fraction; give one in (0, 1]")
     for name in ("intra", "inter"):
         link = getattr(c, name)
         if not isinstance(link, Link):
             raise ValueError(f"Cluster {c.name!r}: {name}={link!r}; give a planner.Link(bandwidth, latency)")
         positive(f"{name}.bandwidth", link.bandwidth)
-        if not isinstance(link.latency, (int, float)) or link.latency < 0:
+        if not isinstance(link.latency, numbers.Real) or link.latency < 0:
             raise ValueError(f"Cluster {c.name!r}: {name}.latency={link.latency!r}; give seconds, 0 or more")
-    if not isinstance(c.op_overhead, (int, float)) or c.op_overhead < 0:
+    if not isinstance(c.op_overhead, numbers.Real) or c.op_overhead < 0:
         raise ValueError(f"Cluster {c.name!r}: op_overhead={c.op_overhead!r}; give seconds, 0 or more")
     if c.compute_dtype not in ("bf16", "fp16", "fp32"):
         raise ValueError(f"Cluster {c.name!r}: compute_dtype={c.compute_dtype!r}; give 'bf16', 'fp16' or 'fp32'")

@@ -444,3 +444,11 @@ def test_a_cluster_measured_in_one_process_says_its_links_are_guesses(caplog):
     with caplog.at_level(logging.WARNING, logger="autoshard"):
         plan(BUILTIN["gpt-1.7b"], 8, DGX_A100.with_(links_measured=False), 64)
     assert "measured in one process" in caplog.text
+
+
+def test_a_cluster_measured_here_is_fp32_with_unmeasured_links():
+    """One process on this CPU: its GEMMs are timed in fp32 (so its plans set no mixed precision) and no
+    collective runs (so plan() warns its links are placeholders)."""
+    from autoshard.planner import Cluster
+    here = Cluster.measure(repeats=1, sizes=(64, 128, 256))
+    assert (here.compute_dtype, here.links_measured, here.activation_bytes) == ("fp32", False, 4)
