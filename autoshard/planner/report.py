@@ -22,6 +22,8 @@ def table(plans: Plans) -> str:
                  "| | dp | pp | tp | SP | b | m | v | schedule | recompute | ZeRO | step s | TFLOP/s/GPU | GiB/GPU | why |",
                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         rows += [_row("-", p) for p in plans.too_big]
+    if plans.fewer is not None and plans.ranked:
+        rows += ["", "Note: " + plans.fewer.says(plans.gpus, plans.best.step_seconds) + "."]
     return "\n".join(rows)
 
 
@@ -48,7 +50,8 @@ def plan_md(plans: Plans) -> str:
              f"`{best.label()}` ({best.schedule} schedule): `init_mesh(plan=p)` and `parallelize(..., plan=p)` "
              f"set `{best.mesh}` and `{best.parallelize_options()}`.", "",
              f"Predicted step {best.step_seconds:.3f} s, {best.tflops_per_gpu:.1f} model TFLOP/s per GPU "
-             f"({best.tflops_per_gpu * 1e12 / cluster.peak_flops:.0%} of peak).", "",
+             f"({best.tflops_per_gpu * 1e12 / cluster.peak_flops:.0%} of peak)."
+             + (f" {plans.fewer.says(plans.gpus, best.step_seconds)}." if plans.fewer else ""), "",
              "| part of the step | seconds | share |", "|---|---|---|"]
     lines += [f"| {name} | {s:.4f} | {s / q.step_seconds:.1%} |" for name, s in q.breakdown.items()]
     mem = q.memory

@@ -108,6 +108,9 @@ class Plans:
     priced: list = field(default_factory=list)   # every configuration, as a Plan (its ``why`` empty)
     memory_limit: float | None = None            # bytes per GPU asked for (plan(memory_limit=...)), if any
     runtime: Runtime = AUTOSHARD                 # the runtime every plan was priced for
+    # every GPU given is used; where a count of whole nodes below it plans a faster step (100 GPUs allow
+    # only meshes of 4 x 25), that count and its winner
+    fewer: "Fewer | None" = None
 
     @property
     def limit(self) -> float:
@@ -133,6 +136,18 @@ class Plans:
 
     def __getitem__(self, i):
         return self.ranked[i]
+
+
+@dataclass(frozen=True)
+class Fewer:
+    """A smaller GPU count (whole nodes) that is predicted to step faster than the count asked for."""
+    gpus: int
+    step_seconds: float
+    label: str
+
+    def says(self, gpus: int, step_seconds: float) -> str:
+        return (f"{self.gpus} GPUs (whole nodes) would step in {self.step_seconds:.4g} s against {step_seconds:.4g} s on "
+                f"{gpus}: a plan uses every GPU it is given, and {gpus} splits into few meshes ({self.label})")
 
 
 def usable_bytes(cluster: Cluster, memory_limit: float | None = None) -> float:
@@ -304,8 +319,24 @@ def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int
                               f"the {size(limit)} {_limit_word(cluster, limit)}")
                for q in _distinct(faster)[:top]]
     priced = [made(q, True, "") for q in fits] + [made(q, False, "") for q in big]
+    fewer = _fewer(shape, gpus, cluster, global_batch, flash, max_tp, memory_limit, runtime, winner)
     return Plans(shape, cluster, gpus, global_batch, ranked, too_big, len(pool), time.perf_counter() - start, priced,
-                 memory_limit, runtime)
+                 memory_limit, runtime, fewer)
+
+
+def _fewer(shape, gpus, cluster, global_batch, flash, max_tp, memory_limit, runtime, winner) -> Fewer | None:
+    """The whole nodes below ``gpus``, planned, where ``gpus`` is not whole nodes and they step faster."""
+    whole = gpus - gpus % cluster.gpus_per_node
+    if winner is None or whole in (0, gpus):
+        return None
+    try:
+        other = plan(shape, whole, cluster, global_batch, flash=flash, top=1, max_tp=max_tp,
+                     memory_limit=memory_limit, runtime=runtime)
+    except ValueError:          # no legal configuration of that count
+        return None
+    if not other.ranked or other.best.step_seconds >= winner.step_seconds:
+        return None
+    return Fewer(whole, other.best.step_seconds, other.best.label())
 
 
 def _limit_word(cluster: Cluster, limit: float) -> str:

@@ -452,3 +452,15 @@ def test_a_cluster_measured_here_is_fp32_with_unmeasured_links():
     from autoshard.planner import Cluster
     here = Cluster.measure(repeats=1, sizes=(64, 128, 256))
     assert (here.compute_dtype, here.links_measured, here.activation_bytes) == ("fp32", False, 4)
+
+
+def test_a_gpu_count_of_few_meshes_points_to_the_whole_nodes_below_it(tmp_path):
+    """100 GPUs and a batch of 512 leave dp 1, 2 or 4, so pipelines of 25 or more stages: the plan uses them
+    all, and says that 96, whole nodes, steps faster (a batch of 500 allows dp=25, and nothing is said)."""
+    from autoshard.planner.report import plan_md, table
+    assert plan(BUILTIN["gpt-7.5b"], 100, DGX_A100, 500).fewer is None
+    plans = plan(BUILTIN["gpt-7.5b"], 100, DGX_A100, 512)
+    assert plans.fewer is not None and plans.fewer.gpus == 96
+    assert plans.fewer.step_seconds < plans.best.step_seconds
+    assert "96 GPUs (whole nodes) would step in" in table(plans) and "96 GPUs (whole nodes)" in plan_md(plans)
+    assert plan(BUILTIN["gpt-7.5b"], 96, DGX_A100, 480).fewer is None
