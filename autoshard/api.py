@@ -110,6 +110,13 @@ def compile_ranks(model: nn.Module, mesh, ranks=None, example_args=(), example_k
     if spec.pp > 1 and options.pipeline is None:
         raise ValueError(f"mesh {spec} has a pipeline axis: compile it with compile_pipeline (parallelize does) "
                          "and train with pm.step")
+    if spec.pp == 1 and options.pipeline is not None:
+        # a forward program (pm(...)): compile_options() always fills in pm.step's pipeline options, whose
+        # microbatch rewrite would return the summed loss here, which no step divides back
+        if options.pipeline.memory_limit is not None:
+            raise ValueError("compile_ranks(options with memory_limit): a memory limit bounds pm.step's pipeline; "
+                             "compile with compile_pipeline, or parallelize, which do")
+        options = dataclasses.replace(options, pipeline=None)
     ranks = list(range(spec.size)) if ranks is None else list(ranks)
     if not ranks:
         raise ValueError("compile_ranks: ranks is empty; give the ranks to compile, or None for every rank")
@@ -180,7 +187,8 @@ def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example
     schedule = add_communication(make_schedule(popts.schedule, spec.pp, popts.microbatches, popts.virtual_stages))
     validate(schedule)
     leaves, in_spec = torch.utils._pytree.tree_flatten((tuple(example_args), dict(example_kwargs or {})))
-    args, kwargs = torch.utils._pytree.tree_unflatten(split_batch(leaves, popts.microbatches)[0], in_spec)
+    args, kwargs = torch.utils._pytree.tree_unflatten(
+        split_batch(leaves, popts.microbatches, call=(tuple(example_args), dict(example_kwargs or {})))[0], in_spec)
     captured = _captured(captures, model, args, kwargs, options, training)
     out = _rank_dump_dir(options, rank)
     local, timings = run_passes(captured.gm, PassContext(spec, rank, _pins_by_graph_name(options, captured), out))

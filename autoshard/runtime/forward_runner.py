@@ -76,14 +76,14 @@ class ForwardRunner:
         if found is not None:
             return found
         captured, microbatches = self.module.first_capture()
-        check_dtype_kinds(leaves, captured)     # dtypes are in the key: only a new program can be wrong
+        check_dtype_kinds(leaves, captured, spec)     # dtypes are in the key: only a new program can be wrong
         if self.compiler is None:
             _explain_mismatch(leaves, spec, self.first)
         start = time.perf_counter()
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         held = self.module.params.records.values()        # every program shares the module's shards
         pins = {r.name: r.spec.tp for r in held}
-        with naming_new_shapes(leaves, captured, microbatches):
+        with naming_new_shapes(leaves, captured, microbatches, spec):
             program = self.compiler(args, kwargs, training, pins)
         theirs = {(r.name, r.global_shape) for r in program.params}
         ours = {(r.name, r.global_shape) for r in held}

@@ -38,19 +38,38 @@ def _refused(got: torch.dtype, compiled: torch.dtype, index: bool) -> bool:
     return _kind(compiled) in ("floating", "complex") and _kind(got) in ("integer", "bool")
 
 
-def check_dtype_kinds(leaves: list, captured) -> None:
+def in_example_order(kwargs: dict, captured) -> dict:
+    """A call's keywords in the order the example gave them (those it did not give after, in the call's
+    order): keywords are by name, so ``pm(attention_mask=m, input_ids=x)`` is the example's call
+    ``pm(input_ids=x, attention_mask=m)``, flattened alike, and runs the same program."""
+    spec = captured.in_spec
+    try:       # TreeSpec.child from torch 2.12; children_specs before
+        keys = list((spec.child(1) if hasattr(spec, "child") else spec.children_specs[1]).context)
+    except (AttributeError, IndexError, TypeError):
+        return kwargs
+    if not kwargs or list(kwargs) == keys:
+        return kwargs
+    ordered = {k: kwargs[k] for k in keys if k in kwargs}
+    ordered.update((k, v) for k, v in kwargs.items() if k not in ordered)
+    return ordered
+
+
+def check_dtype_kinds(leaves: list, captured, spec=None) -> None:
     """A tensor of the wrong kind for its place is an error naming the input, before a program is compiled
     for it (``_refused``): float token ids, or int64 ``inputs_embeds``, would otherwise compile a new
     program and fail deep inside the model's trace, or run. Another dtype of an accepted kind (bf16 for
-    fp32 activations, a bool mask for an int one) compiles its own program."""
+    fp32 activations, a bool mask for an int one) compiles its own program. Inputs of another structure
+    (``inputs_embeds=`` where the example gave ``input_ids=``) have no example to compare by place."""
     examples = captured.example_leaves
-    if len(leaves) != len(examples):
+    if len(leaves) != len(examples) or (spec is not None and spec != captured.in_spec):
         return          # another structure: the program lookup names it
     names = dict(zip(captured.input_leaves, captured.user_input_names))
     indices = {r.input for r in captured.index_ranges}
     for i, (x, ex) in enumerate(zip(leaves, examples)):
         if not (isinstance(x, torch.Tensor) and isinstance(ex, tuple) and len(ex) == 2
                 and isinstance(ex[1], torch.dtype)):
+            continue
+        if "mask" in str(names.get(i, "")):       # HF takes a mask as bool, int or float: another program
             continue
         if _kind(x.dtype) != _kind(ex[1]) and _refused(x.dtype, ex[1], names.get(i) in indices):
             name = f"'{names[i]}'" if i in names else f"input {i}"
@@ -59,12 +78,12 @@ def check_dtype_kinds(leaves: list, captured) -> None:
                              f"{'token ids as integers (.long())' if _kind(ex[1]) == 'integer' else 'a tensor of that dtype'}")
 
 
-def shape_changes(leaves: list, captured, microbatches: int = 1) -> str:
+def shape_changes(leaves: list, captured, microbatches: int = 1, spec=None) -> str:
     """The inputs whose shapes differ from the first program's examples, named (for an error about a
     new program that failed to compile): ``"'targets' (4, 9), compiled for (4, 8)"``. A pipeline's
     examples are one microbatch: the batch it was compiled for has ``microbatches`` times their rows."""
     examples = captured.example_leaves
-    if len(leaves) != len(examples):
+    if len(leaves) != len(examples) or (spec is not None and spec != captured.in_spec):
         return ""
     names = dict(zip(captured.input_leaves, captured.user_input_names))
     out = []
@@ -80,13 +99,13 @@ def shape_changes(leaves: list, captured, microbatches: int = 1) -> str:
 
 
 @contextmanager
-def naming_new_shapes(leaves: list, captured, microbatches: int = 1):
+def naming_new_shapes(leaves: list, captured, microbatches: int = 1, spec=None):
     """Compile a program for new inputs; if that fails, the error's first line says which inputs changed
     shape (usually the cause: labels longer than the ids, a mask of another length), then the compiler's."""
     try:
         yield
     except Exception as e:
-        changed = shape_changes(leaves, captured, microbatches)
+        changed = shape_changes(leaves, captured, microbatches, spec)
         if not changed:
             raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -127,10 +146,13 @@ def check_range(values: torch.Tensor, size: int, what: str, ignore_index: int | 
         value = int(values[first])
         raise InputError(f"{what} {value} at position {first} of {name} (shape {tuple(values.shape)}) is "
                          f"outside {allowed} ({len(where)} such entr{'y' if len(where) == 1 else 'ies'}): "
-                         f"{_hint(what, size)}")
+                         f"{_hint(what, size, name)}")
 
 
-def _hint(what: str, size: int) -> str:
+def _hint(what: str, size: int, name: str = "") -> str:
+    if "position" in name:
+        return (f"the position table has {size} rows (max_position_embeddings); torch's embedding refuses such an "
+                f"index on one device: keep the positions, and the sequence, under {size}")
     if "label" in what:
         return (f"the model has {size} classes; torch's cross_entropy refuses such a target on one device "
                 "(mark positions to skip with ignore_index, -100 by default)")

@@ -10,13 +10,29 @@ def row_counts(leaves: list) -> set:
     return {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() >= 1}
 
 
-def split_batch(leaves: list, m: int, example_leaves: list | None = None) -> list:
+def _rows_by_input(call) -> str:
+    """``"input_ids (4, 8), position_ids (1, 8)"``: each tensor of a call ``(args, kwargs)`` by its name
+    (a keyword, or ``argument i``) and shape."""
+    out = []
+    for path, x in torch.utils._pytree.tree_flatten_with_path(call)[0]:
+        if isinstance(x, torch.Tensor) and x.dim() >= 1:
+            keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
+            name = (".".join(map(str, keys[1:])) if keys and keys[0] == 1 else
+                    f"argument {keys[1]}" if len(keys) > 1 else str(keys))
+            out.append(f"{name} {tuple(x.shape)}")
+    return ", ".join(out)
+
+
+def split_batch(leaves: list, m: int, example_leaves: list | None = None, call=None) -> list:
     """Per microbatch, the flattened call leaves: every tensor cut into m equal slices along dim 0 (and
-    checked against the compiled microbatch's ``example_leaves``, when given)."""
+    checked against the compiled microbatch's ``example_leaves``, when given). ``call``: the
+    ``(args, kwargs)`` the leaves came from, to name the inputs in an error."""
     sizes = row_counts(leaves)
     if len(sizes) > 1:
+        named = f" ({_rows_by_input(call)})" if call is not None else ""
         raise ValueError(f"pm.step splits every tensor input along dim 0 into microbatches, but their first "
-                         f"dims differ: {sorted(sizes)}; pass batch-first tensors of one batch size")
+                         f"dims differ: {sorted(sizes)}{named}; pass batch-first tensors of one batch size "
+                         "(a (1, seq) input such as position_ids repeated to the batch's rows)")
     batch = sizes.pop() if sizes else 1
     if batch % m:
         near = " or ".join(str(b) for b in (batch // m * m, batch // m * m + m) if b)

@@ -34,7 +34,7 @@ from autoshard.runtime.comm import AxisComm
 from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
 from autoshard.runtime.device import mesh_device, owned, owned_constant, to_device
 from autoshard.runtime.forward_runner import ForwardRunner
-from autoshard.runtime.input_checks import check_dtype_kinds, naming_new_shapes
+from autoshard.runtime.input_checks import check_dtype_kinds, in_example_order, naming_new_shapes
 from autoshard.runtime.params import ShardedParameters, model_buffers
 from autoshard.runtime.program_cache import ProgramCache, program_key
 from autoshard.runtime.step_runner import StepRunner
@@ -197,12 +197,12 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         runner = self._runners.get(key)
         if runner is None:
             captured, m = self.first_capture()
-            check_dtype_kinds(leaves, captured)     # before a step program is compiled for them
+            check_dtype_kinds(leaves, captured, spec)     # before a step program is compiled for them
             if self._step_compiler is None:
                 raise RuntimeError("pm.step for another batch shape or mode needs the compiler: build the module "
                                    "with autoshard.parallelize")
             start = time.perf_counter()
-            with naming_new_shapes(leaves, captured, m):
+            with naming_new_shapes(leaves, captured, m, spec):
                 program = self._step_compiler(args, kwargs, training)
             if first is not None and ({c.index: c.param_names for c in program.own}
                                       != {c.index: c.param_names for c in first.program.own}):
@@ -227,6 +227,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             raise RuntimeError(f"with data parallelism (dp={self.comms['dp'].size}) train with pm.step(*local_batch): "
                                "it sums the gradients over dp ranks; a training forward here would leave each "
                                "replica's gradients unsynchronised. pm.eval() forwards are fine")
+        kwargs = in_example_order(kwargs, self.first_capture()[0])
         leaves, spec = pytree.tree_flatten(to_device((args, kwargs), self.device))
         flat, program = self._forward.run(leaves, spec, self.training)
         if self.training:
@@ -248,7 +249,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         if not torch.is_grad_enabled():
             raise RuntimeError("pm.step runs forward and backward and cannot run under torch.no_grad(); for a "
                                "validation loss call pm.eval_batch(*batch) (eval mode, no gradients)")
-        args, kwargs = to_device((args, kwargs), self.device)
+        args, kwargs = to_device((args, in_example_order(kwargs, self.first_capture()[0])), self.device)
         runner = self.runner = self._runner_for(args, kwargs, self.training)
         return runner.step(args, kwargs)
 
@@ -257,7 +258,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         loss as ``step`` (the global batch's, over microbatches and dp), no gradients and no activations
         kept. Its program is compiled on first use (per batch shape), on the training program's stage cuts
         and placements, so it runs on the same parameter shards."""
-        args, kwargs = to_device((args, kwargs), self.device)
+        args, kwargs = to_device((args, in_example_order(kwargs, self.first_capture()[0])), self.device)
         return self._runner_for(args, kwargs, training=False).eval_batch(args, kwargs)
 
     # --- state ----------------------------------------------------------------------------------------

@@ -192,7 +192,7 @@ class StepRunner:
                 check_same_shapes_over_dp(comms, leaves, what)
         check_inputs(captured.index_ranges,
                      dict(zip(captured.user_input_names, (leaves[i] for i in captured.input_leaves))))
-        micro = split_batch(leaves, self.schedule.microbatches, captured.example_leaves)
+        micro = split_batch(leaves, self.schedule.microbatches, captured.example_leaves, (args, kwargs))
         return [dict(zip(captured.user_input_names, (mb[i] for i in captured.input_leaves))) for mb in micro]
 
     def _global_loss(self, run) -> torch.Tensor:

@@ -179,7 +179,7 @@ def test_interleaved_bad_arguments_name_the_fix():
         interleaved_1f1b(4, 3, 2)
     with pytest.raises(ValueError, match=r"v >= 2 .* use one_f_one_b\(pp=4, m=8\)"):
         interleaved_1f1b(4, 8, 1)
-    with pytest.raises(ValueError, match=r"pp >= 2 .* use gpipe"):
+    with pytest.raises(ValueError, match=r"pp >= 2 .* use schedule=.gpipe. or .1f1b."):
         interleaved_1f1b(1, 8, 2)
     with pytest.raises(ValueError, match="m must be an int >= 1"):
         one_f_one_b(2, 0)
