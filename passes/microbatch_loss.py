@@ -221,5 +221,6 @@ def microbatch_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if not rewrite.exact and pieces > 1 and ctx.rank == 0:   # said once, where the user looks (not only in the dump)
         warnings.warn(f"autoshard: pm.step combines this loss as the mean of its {pieces} microbatch losses "
                       f"(microbatches x dp), which equals the whole batch's loss only when every microbatch "
-                      f"holds as many targets: {rewrite.reason}", stacklevel=2)
+                      f"weighs alike in it (as many non-ignored targets; with class weights, the same total "
+                      f"weight): {rewrite.reason}", stacklevel=2)
     return gm
