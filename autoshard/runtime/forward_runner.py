@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,8 @@ from autoshard.ir.program import Program
 from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch
 from autoshard.runtime.bind import bind
 from autoshard.runtime.input_checks import check_dtype_kinds, check_inputs, naming_new_shapes
-from autoshard.runtime.program_cache import ProgramCache, ProgramKey, program_key
+from autoshard.runtime.program_cache import ProgramCache, ProgramKey, constants_only_change, program_key
+from autoshard.runtime.microbatch import named_leaves
 
 log = logging.getLogger("autoshard")
 
@@ -77,6 +79,7 @@ class ForwardRunner:
             return found
         captured, microbatches = self.module.first_capture()
         check_dtype_kinds(leaves, captured, spec)     # dtypes are in the key: only a new program can be wrong
+        warn_constant_inputs(key, self.programs.keys(), leaves, spec)
         if self.compiler is None:
             _explain_mismatch(leaves, spec, self.first)
         start = time.perf_counter()
@@ -123,6 +126,20 @@ class ForwardRunner:
         if len(set(tp.all_gather_objects(plan))) > 1:
             raise RuntimeError("tensor-parallel ranks compiled different plans (different example inputs, "
                                "models or autoshard versions?): every rank must call parallelize identically")
+
+
+def warn_constant_inputs(key: ProgramKey, held: list, leaves, spec) -> None:
+    """Warn when a new program is compiled only because a Python number among the inputs took a new value
+    (export compiles it in as a constant): HF's ``num_items_in_batch`` given as an int compiles a program
+    every step. The fix is a tensor, whose value is an input."""
+    diff = constants_only_change(key, held)
+    if not diff:
+        return
+    named = named_leaves(pytree.tree_unflatten(list(leaves), spec))
+    said = ", ".join(f"'{named[i][0]}' = {named[i][1]!r}" for i in diff if i < len(named))
+    warnings.warn(f"autoshard: a new program is compiled because a Python number among the inputs took a new value "
+                  f"({said}): export compiles a number in as a constant, so each new value compiles (and caches) "
+                  "another program; pass it as a tensor (torch.tensor(n)) to make it an input", stacklevel=4)
 
 
 def _explain_mismatch(leaves, spec, program: Program):

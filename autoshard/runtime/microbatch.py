@@ -10,17 +10,22 @@ def row_counts(leaves: list) -> set:
     return {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() >= 1}
 
 
-def _rows_by_input(call) -> str:
-    """``"input_ids (4, 8), position_ids (1, 8)"``: each tensor of a call ``(args, kwargs)`` by its name
-    (a keyword, or ``argument i``) and shape."""
+def named_leaves(call) -> list:
+    """``(name, leaf)`` for each flattened leaf of a call ``(args, kwargs)``: a keyword's name (and the
+    path inside it), or ``argument i``."""
     out = []
     for path, x in torch.utils._pytree.tree_flatten_with_path(call)[0]:
-        if isinstance(x, torch.Tensor) and x.dim() >= 1:
-            keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
-            name = (".".join(map(str, keys[1:])) if keys and keys[0] == 1 else
-                    f"argument {keys[1]}" if len(keys) > 1 else str(keys))
-            out.append(f"{name} {tuple(x.shape)}")
-    return ", ".join(out)
+        keys = [getattr(k, "key", getattr(k, "idx", k)) for k in path]
+        name = (".".join(map(str, keys[1:])) if keys and keys[0] == 1 else
+                f"argument {'.'.join(map(str, keys[1:]))}" if len(keys) > 1 else str(keys))
+        out.append((name, x))
+    return out
+
+
+def _rows_by_input(call) -> str:
+    """``"input_ids (4, 8), position_ids (1, 8)"``: each tensor of a call by its name and shape."""
+    return ", ".join(f"{name} {tuple(x.shape)}" for name, x in named_leaves(call)
+                     if isinstance(x, torch.Tensor) and x.dim() >= 1)
 
 
 def split_batch(leaves: list, m: int, example_leaves: list | None = None, call=None) -> list:

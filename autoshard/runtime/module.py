@@ -33,7 +33,7 @@ from autoshard.runtime import training
 from autoshard.runtime.comm import AxisComm
 from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
 from autoshard.runtime.device import mesh_device, owned, owned_constant, to_device
-from autoshard.runtime.forward_runner import ForwardRunner
+from autoshard.runtime.forward_runner import ForwardRunner, warn_constant_inputs
 from autoshard.runtime.input_checks import check_dtype_kinds, in_example_order, naming_new_shapes
 from autoshard.runtime.params import ShardedParameters, model_buffers
 from autoshard.runtime.program_cache import ProgramCache, program_key
@@ -198,6 +198,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         if runner is None:
             captured, m = self.first_capture()
             check_dtype_kinds(leaves, captured, spec)     # before a step program is compiled for them
+            warn_constant_inputs(key, self._runners.keys(), leaves, spec)
             if self._step_compiler is None:
                 raise RuntimeError("pm.step for another batch shape or mode needs the compiler: build the module "
                                    "with autoshard.parallelize")

@@ -72,6 +72,9 @@ class ProgramCache(Generic[V]):
     def values(self) -> list[V]:
         return list(self._entries.values())
 
+    def keys(self) -> list:
+        return list(self._entries)
+
 
 @dataclass(frozen=True)
 class ProgramKey:
@@ -80,6 +83,23 @@ class ProgramKey:
     training: bool
     inputs: tuple         # per flattened leaf: (shape, dtype, requires_grad) of a tensor, or the value itself
     structure: str        # the pytree spec of (args, kwargs)
+
+
+def constants_only_change(key: ProgramKey, held: list) -> list:
+    """The flattened positions where ``key`` differs from a held key of the same mode, structure and
+    tensors only in a non-tensor value (a Python number compiled in as a constant): each new value of such
+    an input compiles a program. Empty when no held key is that close."""
+    for other in held:
+        if (other.training, other.structure) != (key.training, key.structure) or len(other.inputs) != len(key.inputs):
+            continue
+        diff = [i for i, (a, b) in enumerate(zip(key.inputs, other.inputs)) if a != b]
+        if diff and all(not _is_tensor_sig(key.inputs[i]) and not _is_tensor_sig(other.inputs[i]) for i in diff):
+            return diff
+    return []
+
+
+def _is_tensor_sig(x) -> bool:
+    return isinstance(x, tuple) and len(x) == 3 and isinstance(x[1], torch.dtype)
 
 
 def program_key(training: bool, leaves, spec) -> ProgramKey:

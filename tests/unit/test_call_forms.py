@@ -91,3 +91,28 @@ def test_a_position_past_the_table_names_the_position_table():
                                dict(input_ids=ids, labels=labels, position_ids=positions, use_cache=False))
     with pytest.raises(autoshard.InputError, match="of 'position_ids'.*position table has 16 rows"):
         pm(input_ids=ids, labels=labels, position_ids=positions + 10, use_cache=False)
+
+
+def test_a_python_number_that_changes_every_call_is_named_with_the_fix():
+    """HF's num_items_in_batch as an int is compiled in as a constant: each new value is a new program,
+    which is said (naming the input and the fix, a tensor); as a tensor it is an input, one program."""
+    model, ids, labels, mask = _gpt2()
+    pm = autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (),
+                               dict(input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=16))
+    with pytest.warns(UserWarning, match=r"'num_items_in_batch' = 15.*pass it as a tensor"):
+        pm(input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=15)
+    tensor = autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (), dict(
+        input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=torch.tensor(16)))
+    want = model(input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=torch.tensor(12)).loss
+    got = tensor(input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=torch.tensor(12)).loss
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert len(tensor.programs) == 1
+
+
+def test_a_step_whose_python_number_keeps_changing_says_so():
+    model, ids, labels, mask = _gpt2()
+    pm = autoshard.parallelize(copy.deepcopy(model).train(), {"tp": 1}, (),
+                               dict(input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=16))
+    pm.step(input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=15)
+    with pytest.warns(UserWarning, match=r"'num_items_in_batch' = 14.*pass it as a tensor"):
+        pm.step(input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=14)
