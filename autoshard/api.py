@@ -197,9 +197,11 @@ def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example
         schedule = add_communication(plan.schedule)
         validate(schedule)
     chunks, plan.recomputed = split_chunks(local, plan)
+    read = {name for c in chunks for name in c.param_names}
     prog = PipelineProgram(captured, spec, rank, options, chunks, schedule, plan, local.meta[LOSS_REWRITE],
                            collective_records(local), D.model_symbols(captured.gm), time.perf_counter() - start,
-                           local.meta.get(M.PLAN_REPORT), timings, gm=local)
+                           local.meta.get(M.PLAN_REPORT), timings, gm=local,
+                           unread=[r for r in param_records(local) if r.name not in read])
     if out:
         write_pipeline(prog, out)
     return prog

@@ -129,6 +129,10 @@ class PipelineProgram:
     report: object = None
     timings: dict = field(default_factory=dict)
     gm: fx.GraphModule | None = None     # the whole local graph before the cut (for plan.md)
+    # [ParamRecord] of the model's parameters no stage reads (a value head the loss does not use): held
+    # whole by pp rank 0, so the module, its checkpoints and full_state_dict keep them, and untouched by
+    # training (no gradient, as on one device)
+    unread: list = field(default_factory=list)
 
     @property
     def coords(self) -> dict:
@@ -152,7 +156,7 @@ class PipelineProgram:
                 if r.name not in seen:
                     seen.add(r.name)
                     out.append(r)
-        return out
+        return out + (list(self.unread) if self.pp_rank == 0 else [])
 
     def ties(self) -> dict:
         """Parameters held by more than one pp rank: ``{name: sorted pp ranks}`` (Megatron's embedding

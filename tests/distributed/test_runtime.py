@@ -176,6 +176,46 @@ def test_the_first_program_at_dp2_is_the_step_unless_the_example_call_cannot_ste
             assert out[name][0] and out[name][1] <= 1e-5, (name, out[name])
 
 
+def _unread_parameter(rank, world, mesh_kw):
+    """An HF Llama with a head its loss never reads (a value head), trained 2 AdamW steps on ``mesh_kw``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, use_cache=False))
+    model.value_head = torch.nn.Linear(32, 7)
+    ref = copy.deepcopy(model)
+    ids = torch.randint(0, 100, (4, 8), generator=torch.Generator().manual_seed(1))
+    mesh = autoshard.init_mesh(**mesh_kw)
+    local = autoshard.local_batch(dict(input_ids=ids, labels=ids), mesh)
+    pm = autoshard.parallelize(model, mesh, example_kwargs=local, microbatches=2 if mesh_kw.get("pp") else 1)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        pm.step(**local)
+        opt.step()
+        opt.zero_grad()
+        ref(input_ids=ids, labels=ids).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = pm.full_state_dict()
+    pm.eval()
+    ref.eval()
+    with torch.no_grad():
+        eval_rel = rel(pm.eval_batch(**local), ref(input_ids=ids, labels=ids).loss)
+    return (sorted(set(ref.state_dict()) ^ set(full)),
+            max(rel(full[k], v) for k, v in ref.state_dict().items() if k in full), eval_rel,
+            bool(torch.equal(full["value_head.weight"], ref.value_head.weight)))
+
+
+@pytest.mark.parametrize("mesh_kw", [dict(dp=2), dict(pp=2)])
+def test_a_parameter_the_loss_never_reads_is_kept_and_left_alone(mesh_kw):
+    """The step program (first at dp > 1, and at pp > 1) cuts stages from what the loss reads; a parameter
+    nothing reads is still the module's: in full_state_dict (which loads strictly into the model), in
+    checkpoints, and left untouched by AdamW (no gradient, as on one device). Eval forwards compile."""
+    for differ, worst, eval_rel, untouched in run_distributed(_unread_parameter, 2, mesh_kw, timeout=300):
+        assert differ == [] and worst <= 1e-5 and eval_rel <= 1e-5 and untouched
+
+
 def _hang(rank, world):
     os.environ["AUTOSHARD_TIMEOUT"] = "2"
     mesh = autoshard.init_mesh(tp=world)
