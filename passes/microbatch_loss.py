@@ -8,6 +8,7 @@ over the microbatch, and the runtime divides by ``num_items``, the count of non-
 whole (global) batch: it seeds each microbatch's backward with ``1 / num_items`` and divides the summed
 loss by it. The sum over microbatches (and dp ranks) is then the exact mean, and so are the gradients.
 
+The same holds for ``nll_loss`` of a ``log_softmax`` (a ``loss_fn`` that spells cross-entropy out).
 ``num_items`` depends only on the labels: this pass cuts the labels' own (input-only) computation out of
 the graph into a small count graph that the runtime runs per microbatch. Only the first backward needs
 the total, so its all-reduce over dp overlaps the first forward. A loss it cannot analyse (class
@@ -178,6 +179,35 @@ def _scaled_term(gm: fx.GraphModule, ce: fx.Node, loss: fx.Node) -> LossRewrite:
                              "terms as the mean over microbatches (and dp)", count, inputs, SCALE_INPUT)
 
 
+NLL_LOSSES = (aten.nll_loss_nd.default, aten.nll_loss.default)
+
+
+def _nll_rewrite(gm: fx.GraphModule, loss: fx.Node) -> LossRewrite:
+    """``nll_loss(log_softmax(x), t)`` (a ``loss_fn`` spelling cross-entropy out): as the mean
+    cross-entropy, its microbatch sum over the global batch's count of non-ignored targets; a summed one is
+    already exact; class weights are not analysed."""
+    names = ("input", "target", "weight", "reduction", "ignore_index")
+    a = dict(zip(names, (None, None, None, MEAN, -100)))
+    a.update(zip(names, loss.args))
+    a.update({k: v for k, v in loss.kwargs.items() if k in names})
+    if a["weight"] is not None:
+        return LossRewrite(False, "nll_loss with class weights (its mean divides by the targets' total weight)")
+    if a["reduction"] == SUM:
+        return LossRewrite(True, "nll_loss (reduction='sum'): the microbatches' sums, summed")
+    if a["reduction"] != MEAN:
+        return LossRewrite(False, f"nll_loss with reduction={a['reduction']} (not a mean or a sum)")
+    count, inputs = _count_graph(a["target"], a["ignore_index"])
+    if count is None:
+        return LossRewrite(False, inputs)
+    with gm.graph.inserting_after(loss):
+        total = gm.graph.call_function(loss.target, (a["input"], a["target"], None, SUM, a["ignore_index"]))
+    total.meta.update(loss.meta)
+    loss.replace_all_uses_with(total)
+    gm.graph.erase_node(loss)
+    return LossRewrite(True, f"nll_loss (ignore_index={a['ignore_index']}) as a sum over the microbatch divided by "
+                             "the global batch's count of non-ignored targets", count, inputs)
+
+
 def microbatch_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if ctx.options.pipeline is None:
         return gm
@@ -206,14 +236,16 @@ def microbatch_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                 rewrite = LossRewrite(True, f"cross-entropy (ignore_index={a['ignore_index']}) as a sum over the "
                                             "microbatch divided by the global batch's count of non-ignored targets",
                                       count, inputs)
+    elif loss.target in NLL_LOSSES:
+        rewrite = _nll_rewrite(gm, loss)
     elif (term := _mean_term(loss)) is not None:
         rewrite = _scaled_term(gm, term, loss)
     elif (divisor := _shared_divisor(loss)) is not None:
         rewrite = LossRewrite(True, f"cross-entropy (reduction='sum') divided by {divisor}, one number for the "
                                     "whole batch (HF's num_items_in_batch): the microbatches' losses, summed")
     else:
-        rewrite.reason = (f"the loss is computed by {loss.target} (only a mean cross_entropy_loss, or a summed one "
-                          "divided by one number for the whole batch, is analysed)")
+        rewrite.reason = (f"the loss is computed by {loss.target} (only a mean cross_entropy_loss or nll_loss, or a "
+                          "summed one divided by one number for the whole batch, is analysed)")
     gm.graph.eliminate_dead_code()
     gm.recompile()
     gm.meta[LOSS_REWRITE] = rewrite

@@ -26,6 +26,14 @@ def next_token_loss(output, target):
     return F.cross_entropy(output.logits.flatten(0, 1), target.flatten(), ignore_index=-100)
 
 
+def nll_spelled_out(output, target):
+    """Cross-entropy as log_softmax then nll_loss: the same loss, rewritten alike (passes/microbatch_loss.py)."""
+    return F.nll_loss(F.log_softmax(output.logits, -1).flatten(0, 1), target.flatten(), ignore_index=-100)
+
+
+LOSSES = {"cross_entropy": next_token_loss, "nll": nll_spelled_out}
+
+
 def _batch():
     g = torch.Generator().manual_seed(2)
     ids, target = torch.randint(0, 96, (4, 8), generator=g), torch.randint(0, 96, (4, 8), generator=g)
@@ -33,30 +41,33 @@ def _batch():
     return ids, target
 
 
-def _parity(rank, world, dims):
+def _parity(rank, world, dims, loss_name="cross_entropy"):
+    loss_fn = LOSSES[loss_name]
     model = _llama()
     ids, target = _batch()
     ref = copy.deepcopy(model)
-    want = next_token_loss(ref(input_ids=ids, use_cache=False), target)
+    want = loss_fn(ref(input_ids=ids, use_cache=False), target)
     want.backward()
-    pm = autoshard.parallelize(model, autoshard.init_mesh(**dims), (), dict(input_ids=ids, use_cache=False,
-                               target=target), microbatches=2, loss_fn=next_token_loss)
+    mesh = autoshard.init_mesh(**dims)
+    local = autoshard.local_batch(dict(input_ids=ids, use_cache=False, target=target), mesh)  # dp's rows
+    pm = autoshard.parallelize(model, mesh, (), local, microbatches=2, loss_fn=loss_fn)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
-    loss = float(pm.step(input_ids=ids, use_cache=False, target=target))
+    loss = float(pm.step(**local))
     worst = worst_gradient(pm, dict(ref.named_parameters()))
-    evaluated = float(pm.eval_batch(input_ids=ids, use_cache=False, target=target))   # its own program
+    evaluated = float(pm.eval_batch(**local))   # its own program
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt.step(), ref_opt.step()
     opt.zero_grad(), ref_opt.zero_grad()
-    second = float(pm.step(input_ids=ids, use_cache=False, target=target))
-    again = next_token_loss(ref(input_ids=ids, use_cache=False), target)
+    second = float(pm.step(**local))
+    again = loss_fn(ref(input_ids=ids, use_cache=False), target)
     return dict(loss=loss, want=float(want), worst=worst, second=second, again=float(again), eval=evaluated,
                 forward_restored="forward" not in model.__dict__)
 
 
-@pytest.mark.parametrize("dims", [{"pp": 2}, {"pp": 2, "tp": 2}])
-def test_loss_fn_on_a_pipeline_matches_the_single_device_loss(dims):
-    for r in run_distributed(_parity, 2 * dims.get("tp", 1), dims, timeout=300):
+@pytest.mark.parametrize("dims,loss_name", [({"pp": 2}, "cross_entropy"), ({"pp": 2, "tp": 2}, "cross_entropy"),
+                                            ({"pp": 2}, "nll"), ({"dp": 2}, "nll")])
+def test_loss_fn_on_a_pipeline_matches_the_single_device_loss(dims, loss_name):
+    for r in run_distributed(_parity, 2 * dims.get("tp", 1), dims, loss_name, timeout=300):
         assert abs(r["loss"] - r["want"]) <= 1e-5 * r["want"], r       # not the mean of microbatch means
         assert r["worst"] < 1e-5 and r["forward_restored"], r
         assert abs(r["eval"] - r["want"]) <= 1e-5 * r["want"], r        # no dropout: eval = train loss
