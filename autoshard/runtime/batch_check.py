@@ -36,7 +36,7 @@ def fingerprint(leaves: list) -> torch.Tensor:
     stats[0] = len(tensors)
     for i, x in enumerate(tensors):
         flat = x.detach().reshape(-1).to(device)
-        stats[1] += sum((d + 1) * (j + 2) * (i + 3) for j, d in enumerate(x.shape))
+        stats[1] += _shape_code(i, x)
         stats[2] += flat.numel()
         if flat.is_floating_point() or flat.is_complex():
             stats[3] += torch.nansum(flat, dtype=torch.float64).real
@@ -49,12 +49,18 @@ def fingerprint(leaves: list) -> torch.Tensor:
     return stats
 
 
+def _shape_code(i: int, x: torch.Tensor) -> int:
+    """A checksum of the ``i``-th tensor's shape (its place counts too)."""
+    return sum((d + 1) * (j + 2) * (i + 3) for j, d in enumerate(x.shape))
+
+
 def _rows(leaves: list) -> int:
     return next((int(x.shape[0]) for x in leaves if isinstance(x, torch.Tensor) and x.dim()), 0)
 
 
 def check_same_shapes_over_dp(comms: dict, leaves: list, where: str) -> None:
-    """Raise (on every rank of the dp group) if the dp replicas were given batches of different shapes.
+    """Raise (on every rank of the dp group) if the dp replicas were given batches of different shapes
+    (every ``pm.step``: shapes only, one all-gather of four numbers).
     Each replica computes the same program on its own rows, and a replica with other shapes would compile
     and run another program (its gradients weighted by its own row count, a last partial batch on some
     ranks only): a data-loader slip (a ``DistributedSampler`` without ``drop_last``), not a plan."""
@@ -62,14 +68,17 @@ def check_same_shapes_over_dp(comms: dict, leaves: list, where: str) -> None:
     group = getattr(comm, "group", None)
     if comm is None or comm.size == 1 or group is None:
         return
-    stats = fingerprint(leaves)
-    mine = torch.stack([stats[0], stats[1], stats[2], torch.tensor(float(_rows(leaves)), dtype=torch.float64,
-                                                                   device=stats.device)]).to(collective_device())
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]    # shapes only (no pass over the data)
+    mine = torch.tensor([len(tensors), sum(_shape_code(i, x) for i, x in enumerate(tensors)),
+                         sum(x.numel() for x in tensors), _rows(leaves)],
+                        dtype=torch.float64, device=collective_device())
     every = [torch.empty_like(mine) for _ in range(comm.size)]
     dist.all_gather(every, mine, group=group)
     if any(not torch.equal(e[:3], every[0][:3]) for e in every):
         rows = [int(e[3]) for e in every]
-        raise InputError(f"{where}: the dp replicas were given batches of different shapes (rows per dp rank: {rows}), "
+        what = (f"rows per dp rank: {rows}" if len(set(rows)) > 1 else
+                f"the same {rows[0]} rows each, but another dimension differs, such as the sequence length")
+        raise InputError(f"{where}: the dp replicas were given batches of different shapes ({what}), "
                          "but every replica must pass the same shapes, its own rows of one global batch: use "
                          "autoshard.local_batch(batch, mesh), or a DistributedSampler with drop_last=True")
 

@@ -33,6 +33,7 @@ from autoshard.runtime import training
 from autoshard.runtime.comm import AxisComm
 from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
 from autoshard.runtime.device import mesh_device, owned, owned_constant, to_device
+from autoshard.runtime.batch_check import check_same_shapes_over_dp
 from autoshard.runtime.forward_runner import ForwardRunner, warn_constant_inputs
 from autoshard.runtime.input_checks import check_dtype_kinds, in_example_order, naming_new_shapes
 from autoshard.runtime.params import ShardedParameters, model_buffers
@@ -251,6 +252,10 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             raise RuntimeError("pm.step runs forward and backward and cannot run under torch.no_grad(); for a "
                                "validation loss call pm.eval_batch(*batch) (eval mode, no gradients)")
         args, kwargs = to_device((args, in_example_order(kwargs, self.first_capture()[0])), self.device)
+        # the replicas' batches one shape, on every step and before a program is chosen: a replica given
+        # other shapes would compile and run another program, whose collectives pair with the others'
+        # wrongly (a hang); one all-gather of four numbers over dp
+        check_same_shapes_over_dp(self.comms, pytree.tree_leaves((args, kwargs)), "pm.step")
         runner = self.runner = self._runner_for(args, kwargs, self.training)
         return runner.step(args, kwargs)
 

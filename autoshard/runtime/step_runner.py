@@ -33,7 +33,7 @@ from autoshard.ir.partial_grads import TP_PARTIAL_GRADS, sum_over_tp
 from autoshard.ir.weight_grad import WEIGHT_GRAD_PLAN
 from autoshard.ir.simulator import Timeline
 from autoshard.runtime import training
-from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch, check_same_shapes_over_dp
+from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch
 from autoshard.runtime.bind import bind
 from autoshard.runtime.data_parallel import GradReducer
 from autoshard.runtime.executor import Denominator, Run
@@ -188,8 +188,7 @@ class StepRunner:
         if self._batch_checks < CHECKED_CALLS:      # tp and pp ranks given one batch (a data-loader slip)
             self._batch_checks += 1
             check_same_batch(comms, leaves, what)
-            if what == "pm.step":                   # and the replicas' training batches one shape
-                check_same_shapes_over_dp(comms, leaves, what)
+
         check_inputs(captured.index_ranges,
                      dict(zip(captured.user_input_names, (leaves[i] for i in captured.input_leaves))))
         micro = split_batch(leaves, self.schedule.microbatches, captured.example_leaves, (args, kwargs))

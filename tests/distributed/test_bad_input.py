@@ -170,6 +170,12 @@ def rows_differ_per_dp_rank(mesh, tmp):
     pm.step(idx[:rows], tgt[:rows])
 
 
+def sequence_differs_per_dp_rank(mesh, tmp):
+    pm, idx, tgt = _gpt(mesh)
+    cols = 8 if torch.distributed.get_rank() == 0 else 6
+    pm.step(idx[:, :cols], tgt[:, :cols])
+
+
 def _saved(mesh, tmp, **cfg):
     """A checkpoint of a GPT (``cfg`` changes its config) saved on ``mesh``: the path."""
     model = build("gpt", vocab_size=GPT_VOCAB, block_size=16, **cfg)
@@ -267,6 +273,8 @@ CASES = [
     Case("loss_only=True and the model returns no loss", no_loss_with_loss_only, r"loss_only=True.*no loss|labels="),
     Case("a missing argument (no targets, loss_only=True)", missing_argument, r"no loss.*targets|labels"),
     Case("another row count on each dp rank", rows_differ_per_dp_rank, r"rows.*dp", ("dp2",)),
+    Case("another sequence length on each dp rank", sequence_differs_per_dp_rank,
+         r"the same \d+ rows each, but another dimension differs, such as the sequence length", ("dp2",)),
     Case("a checkpoint of another model", checkpoint_of_another_model, r"missing.*bias"),
     Case("a checkpoint of other shapes", checkpoint_of_other_shapes, r"shape.*48|48.*shape"),
     Case("a checkpoint with entries the model lacks", checkpoint_with_extra_entries, r"unexpected.*bias"),
