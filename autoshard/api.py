@@ -103,7 +103,9 @@ def compile_ranks(model: nn.Module, mesh, ranks=None, example_args=(), example_k
     Returns the ``Program`` of each rank, in the order given. Each program's ``compile_seconds`` and
     ``timings`` count the shared capture and passes as its own (the time that rank alone would have taken
     with them), so they are not to be summed over ranks. ``captured`` is the model already captured for
-    these inputs; ``captures``, a ``CaptureCache`` to take the capture from (or add it to)."""
+    these inputs; ``captures``, a ``CaptureCache`` to take the capture from (or add it to). At pp=1 these
+    are forward programs (``pm(...)``): pm.step's pipeline options (microbatches, ZeRO, a memory limit)
+    are ``parallelize``'s and ``compile_pipeline``'s, dropped here (a memory limit is refused)."""
     options = _rank_options(options, keywords, "compile_ranks")
     options = _recompute_resolved(options or CompileOptions(), model)
     spec = mesh_spec(mesh)

@@ -189,7 +189,7 @@ def _nll_rewrite(gm: fx.GraphModule, loss: fx.Node) -> LossRewrite:
     names = ("input", "target", "weight", "reduction", "ignore_index")
     a = dict(zip(names, (None, None, None, MEAN, -100)))
     a.update(zip(names, loss.args))
-    a.update({k: v for k, v in loss.kwargs.items() if k in names})
+    a.update({("input" if k == "self" else k): v for k, v in loss.kwargs.items() if k in names or k == "self"})
     if a["weight"] is not None:
         return LossRewrite(False, "nll_loss with class weights (its mean divides by the targets' total weight)")
     if a["reduction"] == SUM:
@@ -244,8 +244,9 @@ def microbatch_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         rewrite = LossRewrite(True, f"cross-entropy (reduction='sum') divided by {divisor}, one number for the "
                                     "whole batch (HF's num_items_in_batch): the microbatches' losses, summed")
     else:
-        rewrite.reason = (f"the loss is computed by {loss.target} (only a mean cross_entropy_loss or nll_loss, or a "
-                          "summed one divided by one number for the whole batch, is analysed)")
+        rewrite.reason = (f"the loss is computed by {loss.target} (analysed: a mean cross_entropy_loss or nll_loss "
+                          "alone, a cross-entropy plus other terms, or a summed cross-entropy divided by one number "
+                          "for the whole batch)")
     gm.graph.eliminate_dead_code()
     gm.recompile()
     gm.meta[LOSS_REWRITE] = rewrite

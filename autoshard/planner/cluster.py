@@ -108,14 +108,18 @@ class Cluster:
         """Bytes of one activation element in ``compute_dtype``."""
         return 2 if self.compute_dtype in ("bf16", "fp16") else 4
 
-    def link(self, group_size: int, stride: int) -> Link:
+    def link(self, group_size: int, stride: int, world: int | None = None) -> Link:
         """The link a group of ``group_size`` ranks, ``stride`` ranks apart, runs its collectives on: inside
         a node when every member of every such group shares one, else between nodes. The groups tile the
-        ranks in blocks of ``group_size x stride`` (``init_mesh``'s layout: tp fastest, then pp, then dp);
-        a block that does not divide a node's GPUs straddles two nodes somewhere (tp=3 on 8-GPU nodes:
-        ranks 6, 7 and 8), and that group, the slowest, paces the step."""
+        ``world`` ranks in blocks of ``group_size x stride`` (``init_mesh``'s layout: tp fastest, then pp,
+        then dp); where a node's GPUs are not a multiple of the block and the world spans more than one
+        node, some block straddles two nodes (tp=3 on 8-GPU nodes: ranks 6, 7 and 8), and that group, the
+        slowest, paces the step. ``world`` None: as many ranks as to span nodes."""
         block = group_size * stride
-        return self.intra if block <= self.gpus_per_node and self.gpus_per_node % block == 0 else self.inter
+        if block > self.gpus_per_node:
+            return self.inter
+        one_node = world is not None and world <= self.gpus_per_node
+        return self.intra if one_node or self.gpus_per_node % block == 0 else self.inter
 
     def with_(self, **changes) -> "Cluster":
         """A copy with some numbers changed (a faster network, a smaller node): what-if planning."""

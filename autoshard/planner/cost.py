@@ -254,7 +254,7 @@ def predict(shape: ModelShape, cluster: Cluster, c: Candidate, flash: bool = Tru
     dp_comm, optimizer = _data_parallel(shape, cluster, c, overlap, runtime, first_forward)
     # SP: the norms' weight and bias gradients are each tp rank's share, summed after the step's
     # backward in one all-reduce (ir/partial_grads), exposed
-    norms = ring_all_reduce_seconds(FP32 * h * NORM_TENSORS * layers.count, t, cluster.link(t, 1)) if c.sp else 0.0
+    norms = ring_all_reduce_seconds(FP32 * h * NORM_TENSORS * layers.count, t, cluster.link(t, 1, c.gpus)) if c.sp else 0.0
     breakdown = Breakdown(compute, m * recompute, m * tp + norms, bubble, p2p, dp_comm, optimizer)
     return Prediction(c, breakdown.total, breakdown, _memory(shape, cluster, c, flash),
                       shape.model_flops(c.global_batch * s))
@@ -265,7 +265,7 @@ def _send_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: flo
     a sequence shard, 1/t of the bytes. Without, it is whole on every tp rank: where the runtime scatters
     it (``scatter_gather_pays(cluster.backend)``: NCCL) each tp rank sends 1/t and the receivers
     all-gather over tp (Megatron's scatter/gather, SC'21 section 4.1), else each sends all of it."""
-    link, tp_link = cluster.link(c.pp, c.tp), cluster.link(c.tp, 1)
+    link, tp_link = cluster.link(c.pp, c.tp, c.gpus), cluster.link(c.tp, 1, c.gpus)
     send = boundary_transfer(c.tp, c.sp, scatter_gather_pays(cluster.backend), link.bandwidth, link.latency,
                              tp_link.bandwidth, tp_link.latency)
     return send.seconds(BF16 * tokens * shape.hidden)
@@ -281,7 +281,7 @@ def _vocab_parallel_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, t
     ``runtime/losses.py``), latency-bound: nothing on NVLink, a few ms a step on a CPU host's gloo."""
     if c.tp == 1:
         return 0.0, 0.0
-    link = cluster.link(c.tp, 1)
+    link = cluster.link(c.tp, 1, c.gpus)
     stream = ring_all_reduce_seconds(BF16 * tokens * shape.hidden, c.tp, link)
     loss = ring_all_reduce_seconds(FP32 * tokens, c.tp, link) + ring_all_reduce_seconds(2 * FP32 * tokens, c.tp, link)
     return stream, stream + loss
@@ -367,7 +367,7 @@ def _layer_seconds(shape: ModelShape, cluster: Cluster, c: Candidate, tokens: fl
     activation = tokens * shape.active_ffn / t / cluster.transcendental_rate
     forward = _with_host(cluster, gemms + core + scan + _pointwise(cluster, stream + sharded) + activation,
                          OPS_PER_LAYER * shape.blocks / 2)
-    link = cluster.link(t, 1)
+    link = cluster.link(t, 1, c.gpus)
     one = ring_all_reduce_seconds(BF16 * tokens * h, t, link)
     collectives = 2 * shape.blocks * one + (shape.blocks * one if c.recompute == "full" else 0)
     if c.sp == "regather" and c.recompute != "full":   # each column-parallel input gathered again: an
@@ -426,7 +426,7 @@ def _data_parallel(shape: ModelShape, cluster: Cluster, c: Candidate, overlap: f
     ops = tensors * OPS_PER_TENSOR
     if c.dp == 1:
         return 0.0, _with_host(cluster, _pointwise(cluster, opt_bytes), ops)
-    link = cluster.link(c.dp, c.tp * c.pp)
+    link = cluster.link(c.dp, c.tp * c.pp, c.gpus)
     reduce = ring_all_reduce_seconds(runtime.grad_bytes * params, c.dp, link)
     if c.zero and runtime.sharded_grads:
         reduce /= 2                                  # a reduce-scatter: half a ring all-reduce

@@ -309,7 +309,7 @@ def plan(model, gpus: int, cluster="dgx-a100", global_batch: int = 512, seq: int
     big.sort(key=lambda q: q.step_seconds)
     ranked = []
     winner = fits[0] if fits else None
-    made = _PlanMaker(shape.seq, "bf16" if cluster.activation_bytes == 2 else None, runtime.name)
+    made = _PlanMaker(shape.seq, "bf16" if cluster.compute_dtype == "bf16" else None, runtime.name)
     for q in _distinct(fits)[:top]:
         ranked.append(made(q, True, _why(q, winner, limit) if q is not winner else _bound(q)))
     # the faster configurations that do not fit; where none fits at all, the nearest misses instead

@@ -69,7 +69,7 @@ def check_dtype_kinds(leaves: list, captured, spec=None) -> None:
         if not (isinstance(x, torch.Tensor) and isinstance(ex, tuple) and len(ex) == 2
                 and isinstance(ex[1], torch.dtype)):
             continue
-        if "mask" in str(names.get(i, "")):       # HF takes a mask as bool, int or float: another program
+        if "mask" in str(names.get(i, "")) and names.get(i) not in indices:   # HF takes a mask as bool, int or float
             continue
         if _kind(x.dtype) != _kind(ex[1]) and _refused(x.dtype, ex[1], names.get(i) in indices):
             name = f"'{names[i]}'" if i in names else f"input {i}"

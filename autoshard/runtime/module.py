@@ -26,14 +26,14 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from autoshard.ir.options import check_finite_enabled, check_replicas_every, dump_dir, pg_timeout_seconds
+from autoshard.ir.options import check_finite_enabled, check_replicas_every, dump_dir, pg_timeout_seconds, uses_nccl
 from autoshard.ir.pipeline import PipelineProgram
 from autoshard.ir.program import Program
 from autoshard.runtime import training
 from autoshard.runtime.comm import AxisComm
 from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
 from autoshard.runtime.device import mesh_device, owned, owned_constant, to_device
-from autoshard.runtime.batch_check import check_same_shapes_over_dp
+from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_shapes_over_dp
 from autoshard.runtime.forward_runner import ForwardRunner, warn_constant_inputs
 from autoshard.runtime.input_checks import check_dtype_kinds, in_example_order, naming_new_shapes
 from autoshard.runtime.params import ShardedParameters, model_buffers
@@ -109,6 +109,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         # hold would read the model's initial value, not what was loaded since
         self._stages_fixed = staged
         self._runners = ProgramCache(lambda: self.max_programs, "step program", on_drop=lambda r: r.close())
+        self._dp_checks = 0                # pm.step calls whose batch shapes were compared over dp
         self.runner = self._first_runner     # the runner of the last step (timelines read it)
         training.register_state_dict_names(self)
 
@@ -252,10 +253,14 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             raise RuntimeError("pm.step runs forward and backward and cannot run under torch.no_grad(); for a "
                                "validation loss call pm.eval_batch(*batch) (eval mode, no gradients)")
         args, kwargs = to_device((args, in_example_order(kwargs, self.first_capture()[0])), self.device)
-        # the replicas' batches one shape, on every step and before a program is chosen: a replica given
-        # other shapes would compile and run another program, whose collectives pair with the others'
-        # wrongly (a hang); one all-gather of four numbers over dp
-        check_same_shapes_over_dp(self.comms, pytree.tree_leaves((args, kwargs)), "pm.step")
+        # the replicas' batches one shape, before a program is chosen: a replica given other shapes would
+        # compile and run another program, whose collectives pair with the others' wrongly (a hang). One
+        # all-gather of four numbers over dp, read back: every step on gloo (the host's own numbers); on
+        # NCCL, where the read waits for the GPU's queue, the first CHECKED_CALLS steps only (a replica whose
+        # shapes change later, alone, is not caught there)
+        self._dp_checks += 1
+        if self._dp_checks <= CHECKED_CALLS or not uses_nccl():
+            check_same_shapes_over_dp(self.comms, pytree.tree_leaves((args, kwargs)), "pm.step")
         runner = self.runner = self._runner_for(args, kwargs, self.training)
         return runner.step(args, kwargs)
 

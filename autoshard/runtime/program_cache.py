@@ -10,6 +10,7 @@ is compiled again.
 from __future__ import annotations
 
 import logging
+import numbers
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
@@ -87,19 +88,21 @@ class ProgramKey:
 
 def constants_only_change(key: ProgramKey, held: list) -> list:
     """The flattened positions where ``key`` differs from a held key of the same mode, structure and
-    tensors only in a non-tensor value (a Python number compiled in as a constant): each new value of such
-    an input compiles a program. Empty when no held key is that close."""
+    tensors only in a Python number's value (compiled in as a constant): each new value of such an input
+    compiles a program. Empty when no held key is that close. (A module built from a step program keeps
+    the first program's key apart, so there the second new value is the first said.)"""
     for other in held:
         if (other.training, other.structure) != (key.training, key.structure) or len(other.inputs) != len(key.inputs):
             continue
         diff = [i for i, (a, b) in enumerate(zip(key.inputs, other.inputs)) if a != b]
-        if diff and all(not _is_tensor_sig(key.inputs[i]) and not _is_tensor_sig(other.inputs[i]) for i in diff):
+        if diff and all(_is_number(key.inputs[i]) and _is_number(other.inputs[i]) for i in diff):
             return diff
     return []
 
 
-def _is_tensor_sig(x) -> bool:
-    return isinstance(x, tuple) and len(x) == 3 and isinstance(x[1], torch.dtype)
+def _is_number(x) -> bool:
+    """A Python number an input took (not a flag: ``use_cache=True`` is a choice, not a count)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def program_key(training: bool, leaves, spec) -> ProgramKey:

@@ -28,9 +28,9 @@ def test_keywords_in_another_order_run_the_examples_program():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert len(pm.programs) == 1
     short = labels[:, :5]
-    with pytest.raises(Exception) as err:         # the labels are short, whichever keyword comes first
-        pm(labels=short, input_ids=ids, use_cache=False)
-    assert "input_ids' (2, 5)" not in str(err.value)
+    with pytest.raises(autoshard.InputError, match=r"'labels' \(2, 5\), compiled for \(2, 8\)") as err:
+        pm(attention_mask=mask, use_cache=False, labels=short, input_ids=ids)   # the labels are the short ones
+    assert "'input_ids' (2, 5)" not in str(err.value)
     eval_loss = pm.eval_batch(use_cache=False, labels=labels, attention_mask=mask, input_ids=ids)
     torch.testing.assert_close(eval_loss, want, rtol=1e-5, atol=1e-6)
 

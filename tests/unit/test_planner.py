@@ -413,6 +413,7 @@ def test_a_group_that_straddles_two_nodes_is_priced_on_the_slower_link():
     assert DGX_A100.link(4, 1) is DGX_A100.intra and DGX_A100.link(8, 1) is DGX_A100.intra
     assert DGX_A100.link(2, 2) is DGX_A100.intra and DGX_A100.link(3, 2) is DGX_A100.inter
     assert DGX_A100.link(2, 8) is DGX_A100.inter
+    assert DGX_A100.link(3, 1, world=6) is DGX_A100.intra and DGX_A100.link(3, 1, world=24) is DGX_A100.inter
 
 
 def test_a_plan_asks_for_the_precision_it_was_priced_at():
