@@ -65,10 +65,16 @@ def check_dtype_kinds(leaves: list, captured, spec=None) -> None:
         return          # another structure: the program lookup names it
     names = dict(zip(captured.input_leaves, captured.user_input_names))
     indices = {r.input for r in captured.index_ranges}
+    labels = {r.input for r in captured.index_ranges if "label" in r.what}
     for i, (x, ex) in enumerate(zip(leaves, examples)):
         if not (isinstance(x, torch.Tensor) and isinstance(ex, tuple) and len(ex) == 2
                 and isinstance(ex[1], torch.dtype)):
             continue
+        if names.get(i) in labels and ex[1] == torch.int64 and x.dtype != torch.int64 and _kind(x.dtype) == "integer":
+            # torch's cross_entropy takes int64 class indices (and refuses int32 on one device); a vocab-parallel
+            # shard would take them, so a tp run and a one-rank run would disagree
+            raise InputError(f"'{names[i]}' is {str(x.dtype).replace('torch.', '')}, but the loss takes class indices "
+                             "as int64, as torch's cross_entropy does: pass labels.long()")
         if "mask" in str(names.get(i, "")) and names.get(i) not in indices:   # HF takes a mask as bool, int or float
             continue
         if _kind(x.dtype) != _kind(ex[1]) and _refused(x.dtype, ex[1], names.get(i) in indices):

@@ -116,3 +116,13 @@ def test_a_step_whose_python_number_keeps_changing_says_so():
     pm.step(input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=15)
     with pytest.warns(UserWarning, match=r"'num_items_in_batch' = 14.*pass it as a tensor"):
         pm.step(input_ids=ids, labels=labels, use_cache=False, num_items_in_batch=14)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint8])
+def test_labels_of_another_integer_dtype_name_the_fix(dtype):
+    """torch's cross_entropy takes int64 class indices: int32 labels are refused on one device, and a
+    vocab-parallel shard would take them; the module says .long() before compiling anything for them."""
+    model, ids, labels, mask = _gpt2()
+    pm = autoshard.parallelize(copy.deepcopy(model), {"tp": 1}, (), dict(input_ids=ids, labels=labels, use_cache=False))
+    with pytest.raises(autoshard.InputError, match=r"'labels' is .*int64.*labels.long\(\)"):
+        pm(input_ids=ids, labels=labels.to(dtype), use_cache=False)
