@@ -31,7 +31,7 @@ from autoshard.passes.manager import PassContext, check_pass_list, run_mesh_pass
 from autoshard.passes.microbatch_loss import LossError
 from autoshard.passes.stages import split_chunks
 from autoshard.planner.memory_ladder import memory_options
-from autoshard.planner.search import check_plan
+from autoshard.planned import plan_keywords, user_memory_settings
 from autoshard.runtime.comm import comms_for_mesh
 from autoshard.runtime.module import ParallelModule
 from autoshard.runtime.microbatch import row_counts, split_batch
@@ -174,7 +174,7 @@ def compile_pipeline(model: nn.Module, mesh, rank: int, example_args=(), example
     ``captures``, a ``CaptureCache`` to take the microbatch's capture from (or add it to). A
     ``memory_limit`` chooses recompute and sequence parallelism as ``parallelize`` does (which has chosen
     them already when it calls here: ``_memory_chosen``), so a compile-only dump is the program it runs."""
-    fixed = _user_memory_settings(keywords, options, None)
+    fixed = user_memory_settings(keywords, options, None)
     options = _options(options, keywords, "compile_pipeline") or CompileOptions(pipeline=PipelineOptions())
     if options.pipeline is None:
         options = dataclasses.replace(options, pipeline=PipelineOptions())
@@ -263,55 +263,6 @@ def _p2p_groups(spec, rank: int) -> dict:
     deadlock in 18 interleaved cases; none with a group a direction)."""
     pp = spec.pp
     return _pp_groups(spec, rank, sorted({(r, (r + 1) % pp) for r in range(pp)} | {((r + 1) % pp, r) for r in range(pp)}))
-
-
-def _planned(plan, spec, args, kwargs, keywords: dict) -> dict:
-    """``keywords`` with what ``plan`` (``autoshard.plan(...).best``) decides: microbatches, schedule,
-    virtual stages, recompute and ZeRO, checked against the mesh and the example batch first. A keyword
-    given as well must agree with the plan."""
-    plan = check_plan(plan)
-    if (spec.dp, spec.pp, spec.tp) != (plan.dp, plan.pp, plan.tp):
-        raise ValueError(f"the plan is for dp={plan.dp} pp={plan.pp} tp={plan.tp}, the mesh is dp={spec.dp} "
-                         f"pp={spec.pp} tp={spec.tp}: build the mesh with autoshard.init_mesh(plan=plan)")
-    rows = row_counts(torch.utils._pytree.tree_leaves((args, kwargs or {})))
-    if len(rows) == 1 and rows != {plan.b * plan.m}:
-        raise ValueError(f"the plan runs {plan.m} microbatches of {plan.b} sequences on each dp rank, so each rank's "
-                         f"batch has {plan.b * plan.m} rows, but the example batch has {rows.pop()}: pass "
-                         "autoshard.local_batch of a global batch of the plan's size")
-    tokens = {x.shape[1] for x in torch.utils._pytree.tree_leaves((args, kwargs or {}))
-              if isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point()}
-    if plan.seq and len(tokens) == 1 and tokens != {plan.seq}:
-        raise ValueError(f"the plan was priced for sequences of {plan.seq} tokens, but the example batch's token "
-                         f"ids have {tokens.pop()}: plan again with autoshard.plan(..., seq=...) for this length")
-    if not plan.fits:
-        log.warning("autoshard: this plan was predicted not to fit (%s)", plan.why or "see plans.too_big")
-    if plan.runtime != "autoshard":
-        log.warning("autoshard: this plan was priced for the %r runtime, whose overlaps autoshard's runtime does "
-                    "not all have: its predicted step is not autoshard's (plan(..., runtime='autoshard') prices it)",
-                    plan.runtime)
-    out = dict(keywords)
-    for k, v in plan.parallelize_options().items():
-        if k in out and out[k] != v:
-            fix = (" (the plan was priced at bf16 compute: for an fp32 plan, plan on a cluster of compute_dtype='fp32', "
-                   "e.g. DGX_A100.with_(compute_dtype='fp32', peak_flops=...))" if k == "mixed_precision" else "")
-            raise ValueError(f"parallelize({k}={out[k]!r}, plan=...) disagrees with the plan's {k}={v!r}: "
-                             f"pass one of them{fix}")
-        out[k] = v
-    return out
-
-
-_MEMORY_SETTINGS = {"recompute": "auto", "sequence_parallel": False}     # what memory_limit may choose, defaults
-
-
-def _user_memory_settings(keywords: dict, options: CompileOptions | None, plan) -> set:
-    """The settings ``memory_limit`` must not change, only check: given as keywords (an explicit
-    ``sequence_parallel=False`` too; ``recompute="auto"`` leaves the choice free), set away from their
-    default in ``options=``, or decided by a plan."""
-    if plan is not None:
-        return set(_MEMORY_SETTINGS)
-    if options is not None:
-        return {k for k, default in _MEMORY_SETTINGS.items() if getattr(options, k) != default}
-    return {k for k in _MEMORY_SETTINGS if k in keywords and keywords[k] != "auto"}
 
 
 def _memory_limited(model, spec, args, kwargs, options: CompileOptions, fixed: set, rank: int) -> tuple:
@@ -412,14 +363,14 @@ def parallelize(model: nn.Module, mesh, example_args=(), example_kwargs=None, *,
     model that returns logits: pass ``{"target": y}`` in ``example_kwargs`` and ``pm.step(x, target=y)``.
     """
     spec = mesh_spec(mesh)
-    fixed = _user_memory_settings(keywords, options, plan)
+    fixed = user_memory_settings(keywords, options, plan)
     if plan is not None and options is not None:    # the plan's settings over the options given whole
-        planned = _planned(plan, spec, example_args, example_kwargs, {})
+        planned = plan_keywords(plan, spec, example_args, example_kwargs, {})
         pipe = {PIPELINE_KEYWORDS[k]: v for k, v in planned.items() if k in PIPELINE_KEYWORDS}
         options = dataclasses.replace(options, **{k: v for k, v in planned.items() if k not in PIPELINE_KEYWORDS},
                                       pipeline=dataclasses.replace(options.pipeline or PipelineOptions(), **pipe))
     elif plan is not None:
-        keywords = _planned(plan, spec, example_args, example_kwargs, keywords)
+        keywords = plan_keywords(plan, spec, example_args, example_kwargs, keywords)
     options = _options(options, keywords, "parallelize") or compile_options()
     real_mesh = hasattr(mesh, "get_group")
     if spec.size > 1 and not real_mesh:

@@ -196,16 +196,25 @@ def _nll_rewrite(gm: fx.GraphModule, loss: fx.Node) -> LossRewrite:
         return LossRewrite(True, "nll_loss (reduction='sum'): the microbatches' sums, summed")
     if a["reduction"] != MEAN:
         return LossRewrite(False, f"nll_loss with reduction={a['reduction']} (not a mean or a sum)")
-    count, inputs = _count_graph(a["target"], a["ignore_index"])
+    return _mean_as_sum(gm, loss, loss.target, (a["input"], a["target"], None, SUM, a["ignore_index"]), a["target"],
+                        a["ignore_index"], "nll_loss")
+
+
+def _mean_as_sum(gm: fx.GraphModule, loss: fx.Node, op, args: tuple, target: fx.Node, ignore_index: int,
+                 what: str) -> LossRewrite:
+    """The mean ``loss`` replaced by its sum over the microbatch, ``op(*args)``, which the runtime divides
+    by the global batch's count of non-ignored targets (its count graph); unchanged where the targets'
+    count cannot be cut out of the graph."""
+    count, inputs = _count_graph(target, ignore_index)
     if count is None:
         return LossRewrite(False, inputs)
     with gm.graph.inserting_after(loss):
-        total = gm.graph.call_function(loss.target, (a["input"], a["target"], None, SUM, a["ignore_index"]))
+        total = gm.graph.call_function(op, args)
     total.meta.update(loss.meta)
     loss.replace_all_uses_with(total)
     gm.graph.erase_node(loss)
-    return LossRewrite(True, f"nll_loss (ignore_index={a['ignore_index']}) as a sum over the microbatch divided by "
-                             "the global batch's count of non-ignored targets", count, inputs)
+    return LossRewrite(True, f"{what} (ignore_index={ignore_index}) as a sum over the microbatch divided by the "
+                             "global batch's count of non-ignored targets", count, inputs)
 
 
 def microbatch_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
@@ -222,20 +231,9 @@ def microbatch_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         elif a["reduction"] != MEAN:
             rewrite.reason = f"cross-entropy with reduction={a['reduction']} (not a mean or a sum)"
         else:
-            count, inputs = _count_graph(a["target"], a["ignore_index"])
-            if count is None:
-                rewrite.reason = inputs
-            else:
-                with gm.graph.inserting_after(loss):
-                    total = gm.graph.call_function(
-                        aten.cross_entropy_loss.default,
-                        (a["logits"], a["target"], None, SUM, a["ignore_index"], a["label_smoothing"]))
-                total.meta.update(loss.meta)
-                loss.replace_all_uses_with(total)
-                gm.graph.erase_node(loss)
-                rewrite = LossRewrite(True, f"cross-entropy (ignore_index={a['ignore_index']}) as a sum over the "
-                                            "microbatch divided by the global batch's count of non-ignored targets",
-                                      count, inputs)
+            rewrite = _mean_as_sum(gm, loss, aten.cross_entropy_loss.default,
+                                   (a["logits"], a["target"], None, SUM, a["ignore_index"], a["label_smoothing"]),
+                                   a["target"], a["ignore_index"], "cross-entropy")
     elif loss.target in NLL_LOSSES:
         rewrite = _nll_rewrite(gm, loss)
     elif (term := _mean_term(loss)) is not None:

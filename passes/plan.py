@@ -346,13 +346,10 @@ def sequence_split_problem(gm, t: int) -> str | None:
 
 def no_sequence_shards(gm, t: int) -> str:
     """Why ``sequence_shards`` found nothing to shard, and the fix where there is one."""
-    stream = residual_stream_shape(gm)
-    problem = sequence_split_problem(gm, t)
-    if problem:
-        return problem
-    return (f"no tensor of the stream's shape {tuple(stream)} sits replicated between a row-parallel output and "
-            "the next column-parallel input (an embedding narrower than the layers, as OPT-350m's, or tokens "
-            "added to the stream after the embedding)")
+    return sequence_split_problem(gm, t) or (
+        f"no tensor of the stream's shape {tuple(residual_stream_shape(gm))} sits replicated between a row-parallel "
+        "output and the next column-parallel input (an embedding narrower than the layers, as OPT-350m's, or "
+        "tokens added to the stream after the embedding)")
 
 
 def plan_pass(gm, ctx):

@@ -132,7 +132,7 @@ class StepRunner:
             # .grad is None would take the first microbatch's output as its gradient and lose it to the
             # second. A zeroed gradient makes autograd add into it instead (the reducer's buckets do so too)
             graphs = self.program.options.cuda_graphs
-            read = {n for c in self.program.own for n in c.param_names}   # not an unread one: no gradient
+            read = {n for c in self.program.own for n in c.param_names} if graphs else ()   # not an unread one
             for name, leaf in leaves.items():
                 leaf.grad = torch.zeros_like(leaf) if graphs and leaf.requires_grad and name in read else None
         else:

@@ -281,9 +281,9 @@ def test_compile_only_entry_points_choose_what_parallelize_chooses():
     assert prog.options.recompute == pm.program.options.recompute == "selective"
     with pytest.raises(ValueError, match="compile_rank\\(memory_limit=...\\).*compile with compile_pipeline"):
         autoshard.compile_rank(model, {"tp": 1}, 0, (idx, tgt), memory_limit=limit)
-    from autoshard.api import _user_memory_settings
-    assert _user_memory_settings(dict(sequence_parallel=False, memory_limit=1e12), None, None) == {"sequence_parallel"}
-    assert _user_memory_settings(dict(recompute="auto", memory_limit=1e12), None, None) == set()
+    from autoshard.planned import user_memory_settings
+    assert user_memory_settings(dict(sequence_parallel=False, memory_limit=1e12), None, None) == {"sequence_parallel"}
+    assert user_memory_settings(dict(recompute="auto", memory_limit=1e12), None, None) == set()
 
 
 @pytest.mark.parametrize("bad", ["8GB", float("nan"), True, -1, float("inf")])
