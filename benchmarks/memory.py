@@ -82,7 +82,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     x = torch.randint(0, args["vocab"], (b, s), generator=g)
     y = torch.randint(0, args["vocab"], (b, s), generator=g)
     out, timed = {}, {}
-    for variant, (recompute, sp) in VARIANTS.items():
+    for variant in args["variants"]:
+        recompute, sp = VARIANTS[variant]
         saved = {}
         for layers in (1, 2):
             torch.manual_seed(0)
@@ -145,9 +146,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--reps", type=int, default=15, help="timed steps of each variant, interleaved")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                    help="the variants to run (TP, the baseline of 'vs TP', always runs)")
     ap.add_argument("--out", default=OUT)
     ns = ap.parse_args(argv)
     args = {k: v for k, v in vars(ns).items() if k not in ("out", "tp")}
+    args["variants"] = ["TP"] + [v for v in ns.variants if v != "TP"]
     from autoshard import launch
     rows = [(t, launch(_rank, t, args, timeout=1800)[0]) for t in ns.tp]
     text = markdown(rows, args)
