@@ -58,19 +58,22 @@ def _rows(leaves: list) -> int:
     return next((int(x.shape[0]) for x in leaves if isinstance(x, torch.Tensor) and x.dim()), 0)
 
 
-def check_same_shapes_over_dp(comms: dict, leaves: list, where: str) -> None:
-    """Raise (on every rank of the dp group) if the dp replicas were given batches of different shapes
-    (every ``pm.step``: shapes only, one all-gather of four numbers).
-    Each replica computes the same program on its own rows, and a replica with other shapes would compile
-    and run another program (its gradients weighted by its own row count, a last partial batch on some
-    ranks only): a data-loader slip (a ``DistributedSampler`` without ``drop_last``), not a plan."""
+def check_same_shapes_over_dp(comms: dict, leaves: list, where: str, problem: Exception | None = None) -> None:
+    """Raise (on every rank of the dp group) if the dp replicas were given batches of different shapes, or
+    if one of them found its batch out of range (``problem``: its own ``check_inputs`` error, which that
+    replica raises, the others naming it). Shapes only (no pass over the data): one all-gather of five
+    numbers. Each replica computes the same program on its own rows, and a replica with other shapes would
+    compile and run another program (its gradients weighted by its own row count, a last partial batch on
+    some ranks only): a data-loader slip (a ``DistributedSampler`` without ``drop_last``), not a plan."""
     comm = comms.get("dp")
     group = getattr(comm, "group", None)
     if comm is None or comm.size == 1 or group is None:
+        if problem is not None:
+            raise problem
         return
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]    # shapes only (no pass over the data)
     mine = torch.tensor([len(tensors), sum(_shape_code(i, x) for i, x in enumerate(tensors)),
-                         sum(x.numel() for x in tensors), _rows(leaves)],
+                         sum(x.numel() for x in tensors), _rows(leaves), problem is not None],
                         dtype=torch.float64, device=collective_device())
     every = [torch.empty_like(mine) for _ in range(comm.size)]
     dist.all_gather(every, mine, group=group)
@@ -81,6 +84,14 @@ def check_same_shapes_over_dp(comms: dict, leaves: list, where: str) -> None:
         raise InputError(f"{where}: the dp replicas were given batches of different shapes ({what}), "
                          "but every replica must pass the same shapes, its own rows of one global batch: use "
                          "autoshard.local_batch(batch, mesh), or a DistributedSampler with drop_last=True")
+    if problem is not None:
+        raise problem
+    bad = [r for r, e in enumerate(every) if e[4]]
+    if bad:
+        raise InputError(f"{where}: dp replica {bad[0]} of {comm.size} was given a batch with a value out of range "
+                         "(a token id past the embedding, or a label past the classes); that replica's error "
+                         "names the value and its position, and every replica stops here, before the step's "
+                         "collectives")
 
 
 def check_same_batch(comms: dict, leaves: list, where: str) -> None:

@@ -35,7 +35,8 @@ from autoshard.runtime.data_parallel import DEFAULT_BUCKET_BYTES
 from autoshard.runtime.device import mesh_device, owned, owned_constant, to_device
 from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_shapes_over_dp
 from autoshard.runtime.forward_runner import ForwardRunner, warn_constant_inputs
-from autoshard.runtime.input_checks import check_dtype_kinds, in_example_order, naming_new_shapes
+from autoshard.ir.errors import InputError
+from autoshard.runtime.input_checks import check_dtype_kinds, check_inputs, in_example_order, naming_new_shapes
 from autoshard.runtime.params import ShardedParameters, model_buffers
 from autoshard.runtime.program_cache import ProgramCache, program_key
 from autoshard.runtime.step_runner import StepRunner
@@ -109,7 +110,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         # hold would read the model's initial value, not what was loaded since
         self._stages_fixed = staged
         self._runners = ProgramCache(lambda: self.max_programs, "step program", on_drop=lambda r: r.close())
-        self._dp_checks = 0                # pm.step calls whose batch shapes were compared over dp
+        self._dp_checks = 0                # pm.step / eval_batch calls whose batches were compared over dp
         self.runner = self._first_runner     # the runner of the last step (timelines read it)
         training.register_state_dict_names(self)
 
@@ -253,16 +254,31 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             raise RuntimeError("pm.step runs forward and backward and cannot run under torch.no_grad(); for a "
                                "validation loss call pm.eval_batch(*batch) (eval mode, no gradients)")
         args, kwargs = to_device((args, in_example_order(kwargs, self.first_capture()[0])), self.device)
-        # the replicas' batches one shape, before a program is chosen: a replica given other shapes would
-        # compile and run another program, whose collectives pair with the others' wrongly (a hang). One
-        # all-gather of four numbers over dp, read back: every step on gloo (the host's own numbers); on
-        # NCCL, where the read waits for the GPU's queue, the first CHECKED_CALLS steps only (a replica whose
-        # shapes change later, alone, is not caught there)
-        self._dp_checks += 1
-        if self._dp_checks <= CHECKED_CALLS or not uses_nccl():
-            check_same_shapes_over_dp(self.comms, pytree.tree_leaves((args, kwargs)), "pm.step")
+        self._check_replicas_agree(args, kwargs, "pm.step")
         runner = self.runner = self._runner_for(args, kwargs, self.training)
         return runner.step(args, kwargs)
+
+    def _check_replicas_agree(self, args, kwargs, where: str) -> None:
+        """The dp replicas' batches of one shape and in range, before a program is chosen: a replica given
+        other shapes would compile and run another program, whose collectives pair with the others'
+        wrongly (a hang), and one whose token ids or labels are out of range raises alone while the others
+        wait for it at the gradients' all-reduce. One all-gather of five numbers over dp, read back: every
+        call on gloo (the host's own numbers); on NCCL, where the read waits for the GPU's queue, the first
+        CHECKED_CALLS only (a replica whose shapes change later, alone, is not caught there; its ranges are
+        asserted on the device)."""
+        self._dp_checks += 1
+        dp = self.comms.get("dp")
+        if dp is None or dp.size == 1 or (self._dp_checks > CHECKED_CALLS and uses_nccl()):
+            return
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        captured, problem = self.first_capture()[0], None
+        if spec == captured.in_spec:     # (a call of another structure is checked by its own program)
+            try:
+                check_inputs(captured.index_ranges,
+                             dict(zip(captured.user_input_names, (leaves[i] for i in captured.input_leaves))))
+            except InputError as e:
+                problem = e
+        check_same_shapes_over_dp(self.comms, leaves, where, problem)
 
     def eval_batch(self, *args, **kwargs) -> torch.Tensor:
         """The loss of a batch in eval mode (no dropout), forward only, on every rank: the same inputs and
@@ -270,6 +286,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         kept. Its program is compiled on first use (per batch shape), on the training program's stage cuts
         and placements, so it runs on the same parameter shards."""
         args, kwargs = to_device((args, in_example_order(kwargs, self.first_capture()[0])), self.device)
+        self._check_replicas_agree(args, kwargs, "pm.eval_batch")
         return self._runner_for(args, kwargs, training=False).eval_batch(args, kwargs)
 
     # --- state ----------------------------------------------------------------------------------------

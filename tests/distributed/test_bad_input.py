@@ -176,6 +176,23 @@ def sequence_differs_per_dp_rank(mesh, tmp):
     pm.step(idx[:, :cols], tgt[:, :cols])
 
 
+def label_too_large_on_one_replica(mesh, tmp):
+    """Each replica its own rows, one of them with a bad label: both stop before the gradients' all-reduce."""
+    pm, idx, tgt = _gpt(mesh)
+    tgt = tgt.clone()
+    if torch.distributed.get_rank() == 1:
+        tgt[2, 3] = 1500
+    pm.step(idx, tgt)
+
+
+def id_too_large_in_eval_on_one_replica(mesh, tmp):
+    pm, idx, tgt = _gpt(mesh)
+    idx = idx.clone()
+    if torch.distributed.get_rank() == 0:
+        idx[1, 1] = 5000
+    pm.eval_batch(idx, tgt)
+
+
 def _saved(mesh, tmp, **cfg):
     """A checkpoint of a GPT (``cfg`` changes its config) saved on ``mesh``: the path."""
     model = build("gpt", vocab_size=GPT_VOCAB, block_size=16, **cfg)
@@ -275,6 +292,10 @@ CASES = [
     Case("another row count on each dp rank", rows_differ_per_dp_rank, r"rows.*dp", ("dp2",)),
     Case("another sequence length on each dp rank", sequence_differs_per_dp_rank,
          r"the same \d+ rows each, but another dimension differs, such as the sequence length", ("dp2",)),
+    Case("a label >= vocab on one dp replica only", label_too_large_on_one_replica,
+         r"label 1500 at position \(2, 3\)|dp replica 1 of 2 .*out of range", ("dp2",)),
+    Case("a token id >= vocab in eval_batch on one dp replica only", id_too_large_in_eval_on_one_replica,
+         r"token id 5000 at position \(1, 1\)|dp replica 0 of 2 .*out of range", ("dp2",)),
     Case("a checkpoint of another model", checkpoint_of_another_model, r"missing.*bias"),
     Case("a checkpoint of other shapes", checkpoint_of_other_shapes, r"shape.*48|48.*shape"),
     Case("a checkpoint with entries the model lacks", checkpoint_with_extra_entries, r"unexpected.*bias"),
