@@ -131,7 +131,7 @@ def save(pm, optimizer, path: str, step: int | None = None, scheduler=None) -> s
     if _rank() == 0 and os.path.exists(tmp):
         shutil.rmtree(tmp)
     _barrier()
-    state = {"model": pm.state_dict()}
+    state = {"model": _model_state(pm)}
     if optimizer is not None:
         state["optim"] = _optim_state(pm, optimizer)
     dcp.save(state, checkpoint_id=tmp)
@@ -153,6 +153,11 @@ def save(pm, optimizer, path: str, step: int | None = None, scheduler=None) -> s
         os.replace(tmp, path)
     _barrier()
     return path
+
+
+def _model_state(pm) -> dict:
+    """``pm.state_dict()`` with each tied weight under one name: a checkpoint holds it once."""
+    return {k: v for k, v in pm.state_dict().items() if k not in pm.aliases}
 
 
 def _tied_names_held(pm, held) -> dict:
@@ -253,7 +258,7 @@ def load(pm, optimizer, path: str, scheduler=None) -> int | None:
                          + f", not a {type(scheduler).__name__}: pass the scheduler the run saved, or scheduler=None")
     held = _read_metadata(path)
     renamed = _tied_names_held(pm, held)
-    state = {"model": _renamed(pm.state_dict(), renamed)}
+    state = {"model": _renamed(_model_state(pm), renamed)}
     _check_model_keys(path, state["model"], held)
     if optimizer is not None:
         _init_state(pm, optimizer)

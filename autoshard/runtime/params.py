@@ -289,17 +289,29 @@ class ShardedParameters(nn.Module):
         if DTensor is None or not isinstance(value, DTensor) or not (held_strided(pl) or held_in_rank_order(pl)):
             return value
         full = self.gather(name, value)
-        local = full.chunk(self.tp.size, dim=pl.dim)[self.tp.rank].contiguous()
+        # a copy of its own, not a view into ``full`` at an offset: torch.save refuses a DTensor whose local
+        # tensor's storage is shared that way ("an invalid python storage")
+        local = full.chunk(self.tp.size, dim=pl.dim)[self.tp.rank].clone()
         return DTensor.from_local(local, self.mesh, [DShard(pl.dim)], run_check=False, shape=full.shape,
                                   stride=full.stride())
 
     def from_checkpoint_view(self, name, value):
         """The inverse of ``checkpoint_view``, for ``load_state_dict``."""
         r, pl = self.records[name], self.records[name].spec.tp
-        if DTensor is None or not isinstance(value, DTensor) or (
-                value.placements == (dtensor_placement(pl),) and not held_in_rank_order(pl)):
-            return value
-        return self._wrap(self.slice(value.full_tensor(), r).contiguous(), r)
+        if DTensor is not None and isinstance(value, DTensor):
+            if value.placements == (dtensor_placement(pl),) and not held_in_rank_order(pl):
+                return value
+            return self._wrap(self.slice(value.full_tensor(), r).contiguous(), r)
+        if not torch.is_tensor(value):
+            return value       # (nn.Module's own load reports it)
+        if tuple(value.shape) == tuple(r.global_shape):   # a single-device state dict's full tensor
+            return self._wrap(self.slice(value.to(self.param(name).device), r).clone().contiguous(), r)
+        if self.mesh is None:
+            return value       # the in-process simulator keeps plain local shards
+        raise InputError(f"load_state_dict: '{name}' is a tensor of shape {tuple(value.shape)}, but the parameter's "
+                         f"full shape is {tuple(r.global_shape)}: pass pm.state_dict()'s own entries (DTensors), or "
+                         "a single-device state dict of full tensors (as model.state_dict() or pm.full_state_dict() "
+                         "give; pm.load_full_state_dict(sd) loads one too)")
 
     @torch.no_grad()
     def load_full(self, name, full):

@@ -236,8 +236,9 @@ def register_state_dict_names(module) -> None:
 
 def _state_dict_names(module, state_dict, prefix, local_metadata):
     """``pm.state_dict()`` uses the model's own names (``params.shards.p3`` -> ``transformer.wte.weight``,
-    ``b0`` -> the buffer's name), and shows ``torch.distributed.checkpoint`` only rectangular chunks
-    (``params.checkpoint_view``)."""
+    ``b0`` -> the buffer's name, a tied weight under each of its names, as ``model.state_dict()``), and
+    shows ``torch.distributed.checkpoint`` only rectangular chunks (``params.checkpoint_view``: for a
+    blocked shard, such as a fused q|k|v, one all-gather over tp, so every tp rank calls it)."""
     for k in list(state_dict):
         rest = k[len(prefix):] if k.startswith(prefix) else None
         if rest is not None and rest.startswith("params.shards."):
@@ -245,10 +246,17 @@ def _state_dict_names(module, state_dict, prefix, local_metadata):
             state_dict[prefix + name] = module.params.checkpoint_view(name, state_dict.pop(k))
         elif rest is not None and rest[:1] == "b" and rest[1:].isdigit():
             state_dict[prefix + module._buffer_names[int(rest[1:])]] = state_dict.pop(k)
+    for alias, main in module.aliases.items():     # a tied weight under each of its names, as torch's own
+        if prefix + main in state_dict:
+            state_dict[prefix + alias] = state_dict[prefix + main]
     return state_dict
 
 
 def _load_state_dict_names(module, state_dict, prefix, *args):
+    for alias, main in module.aliases.items():     # one tied weight: loaded once, from whichever name is there
+        if prefix + alias in state_dict:
+            value = state_dict.pop(prefix + alias)
+            state_dict.setdefault(prefix + main, value)
     for name, k in module.params.keys.items():
         if prefix + name in state_dict:
             value = module.params.from_checkpoint_view(name, state_dict.pop(prefix + name))
