@@ -39,9 +39,10 @@ class LossError(ValueError):
     """The model's output has no loss that ``pm.step`` can run backward from."""
 
 
-def loss_node(gm: fx.GraphModule) -> fx.Node:
-    """The scalar floating output ``pm.step`` minimises: the only one, or the one every other scalar output
-    feeds (an HF MoE model returns ``loss`` and the ``aux_loss`` that was added into it)."""
+def loss_node(gm: fx.GraphModule, pipelined: bool = False) -> fx.Node:
+    """The scalar floating output ``pm.step`` minimises (and ``pm.eval_batch`` returns): the only one, or the
+    one every other scalar output feeds (an HF MoE model returns ``loss`` and the ``aux_loss`` that was
+    added into it). ``pipelined``: pp > 1, where the runtime returns no other output (no logits)."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     leaves = []
     fx.node.map_arg(out.args[0], leaves.append)
@@ -49,10 +50,12 @@ def loss_node(gm: fx.GraphModule) -> fx.Node:
                                  and a.meta["val"].dim() == 0 and a.meta["val"].is_floating_point()))
     total = [s for s in scalars if all(o is s or _reads(s, o) for o in scalars)]
     if len(total) != 1:
-        raise LossError(f"pm.step runs backward from the model's loss, but the model returns {len(scalars)} scalar "
-                        "outputs, none of which is made from all the others: return exactly one loss (for an HF "
-                        "model pass labels=...), give parallelize a loss_fn(output, target) and call "
-                        "pm.step(x, target=y), or call pm(...) and compute the loss yourself")
+        raise LossError(f"pm.step and pm.eval_batch run from the model's loss, but the model returns {len(scalars)} "
+                        "scalar outputs, none of which is made from all the others: return exactly one loss (for an "
+                        "HF model pass labels=...), or give parallelize a loss_fn(output, target) and call "
+                        "pm.step(x, target=y)" + (" (a pipeline runs the batch into that one loss: it returns no "
+                                                  "logits)" if pipelined else
+                                                  ", or call pm(...) and compute the loss yourself"))
     return total[0]
 
 
@@ -220,7 +223,7 @@ def _mean_as_sum(gm: fx.GraphModule, loss: fx.Node, op, args: tuple, target: fx.
 def microbatch_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if ctx.options.pipeline is None:
         return gm
-    loss = loss_node(gm)
+    loss = loss_node(gm, pipelined=ctx.mesh.pp > 1)
     rewrite = LossRewrite(False, "")
     if getattr(loss.target, "overloadpacket", None) is aten.cross_entropy_loss:
         a = cross_entropy_args(loss)

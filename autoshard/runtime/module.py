@@ -208,11 +208,8 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             start = time.perf_counter()
             with naming_new_shapes(leaves, captured, m, spec):
                 program = self._step_compiler(args, kwargs, training)
-            if first is not None and ({c.index: c.param_names for c in program.own}
-                                      != {c.index: c.param_names for c in first.program.own}):
-                raise RuntimeError(f"the {'training' if training else 'eval'}-mode program for these inputs puts "
-                                   "other parameters on this rank's stages than the first program: evaluate the "
-                                   "single-device model on pm.full_state_dict()")
+            if first is not None:
+                _check_same_stage_parameters(program, first.program, training)
             runner = self._runners.put(key, StepRunner(self, program, training))
             if first is not None or len(self._runners) > 1:
                 log.info("autoshard: compiled a %s step program for inputs %s in %.2f s",
@@ -338,3 +335,27 @@ def _check_cuda_graphs(program, device) -> None:
 def _scalar_loss(flat):
     """The loss among a program's outputs: its first scalar floating tensor (None if it returns none)."""
     return next((x for x in flat if isinstance(x, torch.Tensor) and x.dim() == 0 and x.is_floating_point()), None)
+
+
+def _check_same_stage_parameters(program, first, training: bool) -> None:
+    """A pipeline's stages hold the parameters the first program placed on them. A later program (new shapes,
+    eval mode) must put the same ones on each stage; one of another form (``inputs_embeds=`` where the
+    example passed ``input_ids=`` skips the embedding, and the balancer then cuts elsewhere) cannot run
+    on these shards. Every stage is compared, not only this rank's, so every rank raises alike."""
+    def names(p):
+        return {c.index: set(c.param_names) for c in p.chunks}
+    mine, theirs = names(program), names(first)
+    if mine == theirs:
+        return
+    stage = next(i for i in sorted(set(mine) | set(theirs)) if mine.get(i) != theirs.get(i))
+    now, before = mine.get(stage, set()), theirs.get(stage, set())
+    unused, new = sorted(before - now), sorted(now - before)
+    what = "; ".join(p for p in (f"leaves {unused[:3]} unread" if unused else "",
+                                 f"reads {new[:3]}, which the first program put elsewhere" if new else "") if p)
+    raise InputError(f"pm.step / eval_batch: the {'training' if training else 'eval'}-mode program for these inputs "
+                     f"puts other parameters on stage {stage} than the first program did (it {what}), but a "
+                     "pipeline's stages keep the parameters the first program put on them. A call of another form "
+                     "does this (inputs_embeds= where the example passed input_ids=, which skips the embedding): "
+                     "call with the example's inputs (the same keywords), or build pm "
+                     "with an example of this form")
+

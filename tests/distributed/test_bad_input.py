@@ -193,6 +193,26 @@ def id_too_large_in_eval_on_one_replica(mesh, tmp):
     pm.eval_batch(idx, tgt)
 
 
+def inputs_embeds_after_input_ids(mesh, tmp):
+    """A pipeline built on input_ids, stepped with inputs_embeds: stage 0 would not read the embedding."""
+    model = build("hf", vocab_size=HF_VOCAB)
+    _, kw = batch("hf", HF_VOCAB, B=4, T=8)
+    kw.update(use_cache=False)
+    pm = autoshard.parallelize(model, autoshard.init_mesh(**MESHES[mesh]), (), kw, microbatches=2)
+    embeds = torch.randn(4, 8, 32)
+    kw.pop("input_ids")
+    pm.step(inputs_embeds=embeds, **kw)
+
+
+def eval_batch_without_labels(mesh, tmp):
+    model = build("hf", vocab_size=HF_VOCAB)
+    _, kw = batch("hf", HF_VOCAB, B=4, T=8)
+    kw.update(use_cache=False)
+    pm = autoshard.parallelize(model, autoshard.init_mesh(**MESHES[mesh]), (), kw, microbatches=2)
+    kw.pop("labels")
+    pm.eval_batch(**kw)
+
+
 def _saved(mesh, tmp, **cfg):
     """A checkpoint of a GPT (``cfg`` changes its config) saved on ``mesh``: the path."""
     model = build("gpt", vocab_size=GPT_VOCAB, block_size=16, **cfg)
@@ -296,6 +316,10 @@ CASES = [
          r"label 1500 at position \(2, 3\)|dp replica 1 of 2 .*out of range", ("dp2",)),
     Case("a token id >= vocab in eval_batch on one dp replica only", id_too_large_in_eval_on_one_replica,
          r"token id 5000 at position \(1, 1\)|dp replica 0 of 2 .*out of range", ("dp2",)),
+    Case("inputs_embeds= in a pipeline built on input_ids=", inputs_embeds_after_input_ids,
+         r"other parameters on stage 0 .*leaves \['transformer.wte.weight'\] unread", ("pp2",)),
+    Case("eval_batch without labels on a pipeline", eval_batch_without_labels,
+         r"pm.eval_batch run from the model's loss.*labels=.*returns no logits", ("pp2",)),
     Case("a checkpoint of another model", checkpoint_of_another_model, r"missing.*bias"),
     Case("a checkpoint of other shapes", checkpoint_of_other_shapes, r"shape.*48|48.*shape"),
     Case("a checkpoint with entries the model lacks", checkpoint_with_extra_entries, r"unexpected.*bias"),
