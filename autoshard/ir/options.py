@@ -4,7 +4,7 @@
 |-----------------------|---------------------------------------------------------------------|
 | ``AUTOSHARD_DUMP``    | directory for pass dumps and ``plan.md`` (same as ``dump=``)        |
 | ``AUTOSHARD_TIMEOUT`` | seconds before a collective gives up (process-group timeout), 300   |
-| ``AUTOSHARD_CHECK_REPLICAS`` | every N training forwards, compare replicated parameters across ranks |
+| ``AUTOSHARD_CHECK_REPLICAS`` | every N ``pm.step`` calls (or training forwards), compare replicated parameters across ranks |
 | ``AUTOSHARD_CHECK_FINITE`` | ``1``: raise, naming the step, on a NaN/inf loss or gradient norm (``check_finite=``) |
 | ``AUTOSHARD_BACKEND`` | ``gloo`` or ``nccl`` for the process groups autoshard starts; default NCCL when CUDA is there |
 | ``CompileOptions``    | the one typed options object ``parallelize`` builds and passes see  |

@@ -98,6 +98,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         self.measure_memory = dump_dir(program.options.dump) is not None
         self._check_every = check_replicas_every()
         self._steps = 0                      # training forwards run by pm(...)
+        self._step_calls = 0                 # pm.step calls (AUTOSHARD_CHECK_REPLICAS counts both)
         self.train(model.training if not staged else True)
         training.check_same_weights(model, "parallelize", program.mesh.size)   # tp, dp, pp ranks and tied copies
         # --- the runners ----------------------------------------------------------------------------------
@@ -253,7 +254,11 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         args, kwargs = to_device((args, in_example_order(kwargs, self.first_capture()[0])), self.device)
         self._check_replicas_agree(args, kwargs, "pm.step")
         runner = self.runner = self._runner_for(args, kwargs, self.training)
-        return runner.step(args, kwargs)
+        loss = runner.step(args, kwargs)
+        self._step_calls += 1
+        if self._check_every and self._step_calls % self._check_every == 0:   # AUTOSHARD_CHECK_REPLICAS=N
+            self.check_replicas()
+        return loss
 
     def _check_replicas_agree(self, args, kwargs, where: str) -> None:
         """The dp replicas' batches of one shape and in range, before a program is chosen: a replica given

@@ -92,6 +92,24 @@ def _runtime(rank, world):
             out[f"drift {axis}"] = None
         except RuntimeError as e:
             out[f"drift {axis}"] = str(e)
+        # AUTOSHARD_CHECK_REPLICAS=N checks every N-th pm.step (the only way to train at dp or pp > 1)
+        os.environ["AUTOSHARD_CHECK_REPLICAS"] = "2"
+        steps = 0
+        try:
+            torch.manual_seed(0)
+            pm_env = autoshard.parallelize(GPT(GPTConfig(**small)), autoshard.init_mesh(**{axis: world}), double,
+                                           microbatches=2)
+            if rank == 1:
+                with torch.no_grad():
+                    pm_env.local_parameters()["transformer.wte.weight"].to_local().add_(1e-3)
+            for _ in range(3):
+                pm_env.step(*double)
+                steps += 1
+            out[f"drift {axis} every 2 steps"] = None
+        except RuntimeError as e:
+            out[f"drift {axis} every 2 steps"] = (steps, str(e))
+        finally:
+            del os.environ["AUTOSHARD_CHECK_REPLICAS"]
     other_args = tuple(a[:, :4].contiguous() for a in args) if rank == 1 else args  # another shape on rank 1
     try:
         autoshard.parallelize(build("gpt"), mesh, example_args=other_args)
@@ -137,6 +155,9 @@ def test_runtime_features():
         for case in ("unseeded", "unseeded dp", "unseeded pp"):
             assert "weights on rank 1 differ from rank 0's" in out[case] and "torch.manual_seed" in out[case], out[case]
         assert "between the 2 data-parallel replicas: ['transformer.wte.weight'" in out["drift dp"], out["drift dp"]
+        for axis in ("dp", "pp"):     # raised on the second step, on every rank
+            steps, message = out[f"drift {axis} every 2 steps"]
+            assert steps == 1 and "transformer.wte.weight" in message, (axis, steps, message)
         assert "between the 2 pipeline stages holding the tied weight: ['transformer.wte.weight']" in out["drift pp"], \
             out["drift pp"]
         assert "compiled different plans" in out["other plan"], out["other plan"]
