@@ -48,7 +48,7 @@ bench-pp: venv
 	$(BIN)/python -m benchmarks.pp
 
 clean:
-	rm -rf build/ *.egg-info/ .pytest_cache/ dumps/ autoshard_dump/ autoshard_checkpoint/ benchmarks/out/
+	rm -rf build/ *.egg-info/ .pytest_cache/ dumps/ autoshard_dump/ autoshard_checkpoint/ autoshard_plan/ benchmarks/out/
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 # on a GPU machine: parity with the single-device model on CUDA and NCCL, 1 to 8 GPUs (tests/gpu_check.py)
