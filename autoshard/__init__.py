@@ -22,8 +22,14 @@ from autoshard.runtime.data_parallel import data_parallel_rank, local_batch
 from autoshard.runtime.module import ParallelModule
 from autoshard.runtime.executor import PipelineError
 from autoshard.planner import Cluster, ModelShape, Plan, plan
+# the errors a user may catch, each named where it is raised
+from autoshard.passes.capture import CaptureError
+from autoshard.passes.microbatch_loss import LossError
+from autoshard.passes.pipeline_split import PipelineSplitError
+from autoshard.passes.plan import PlanError
+from autoshard.planner.memory_ladder import MemoryLimitError
 
 __all__ = ["init_mesh", "parallelize", "compile_rank", "compile_ranks", "compile_pipeline", "compile_options", "PipelineOptions",
            "PipelineError", "InputError", "local_batch", "data_parallel_rank", "save", "load", "launch", "RankError", "Program", "ParallelModule", "CompileOptions",
            "MeshSpec", "CostModel", "DistSpec", "Shard", "Replicate", "Partial", "plan", "Plan", "Cluster",
-           "ModelShape"]
+           "ModelShape", "CaptureError", "LossError", "PipelineSplitError", "PlanError", "MemoryLimitError"]

@@ -211,3 +211,12 @@ def test_schedule_option_messages_name_the_schedule_the_user_can_pass():
         autoshard.compile_options(schedule="auto", virtual_stages=2, microbatches=4)
     with pytest.raises(ValueError, match="use schedule='gpipe' or '1f1b'"):
         interleaved_1f1b(1, 4, 2)
+
+
+def test_the_errors_a_user_may_catch_are_exported_at_the_top():
+    import autoshard
+    for name in ("InputError", "CaptureError", "LossError", "PlanError", "PipelineSplitError", "MemoryLimitError",
+                 "PipelineError", "RankError"):
+        cls = getattr(autoshard, name)
+        assert isinstance(cls, type) and issubclass(cls, Exception) and name in autoshard.__all__
+    assert issubclass(autoshard.InputError, ValueError)
