@@ -15,9 +15,7 @@ new file plus one line here.
 """
 from __future__ import annotations
 
-import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -180,10 +178,7 @@ def _run(gm: fx.GraphModule, ctx: PassContext, first: int, last: int, timings: d
             gm, owned = copy_graph_module(gm), True
         start = time.perf_counter()
         graph_meta = dict(gm.meta)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            gm = p.fn(gm, ctx)
-        _warn_at_callers_line(caught)
+        gm = p.fn(gm, ctx)
         gm.meta = {**graph_meta, **gm.meta}   # graph-level facts (the plan report) outlive a new graph
         owned = True
         gm.graph.lint()
@@ -191,16 +186,6 @@ def _run(gm: fx.GraphModule, ctx: PassContext, first: int, last: int, timings: d
         if ctx.dump_dir:
             _dump(ctx.dump_dir, dumps, D.dump_name(i + 1, p.name), D.graph_text(gm, i + 1, p.name))
     return gm
-
-
-def _warn_at_callers_line(caught: list) -> None:
-    """A pass's warnings again, at the user's line (the first frame outside autoshard: their
-    ``parallelize`` or ``pm.step``) instead of this file's, under the user's own warning filters."""
-    for w in caught:
-        frame, level = sys._getframe(0), 1
-        while frame is not None and frame.f_globals.get("__name__", "").startswith("autoshard"):
-            frame, level = frame.f_back, level + 1
-        warnings.warn(w.message, w.category, stacklevel=level)
 
 
 def _dump(dump_dir: str, kept: list | None, name: str, text: str) -> None:

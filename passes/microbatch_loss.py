@@ -21,7 +21,6 @@ as HF's Trainer counts it across devices).
 """
 from __future__ import annotations
 
-import warnings
 
 import torch
 import torch.fx as fx
@@ -30,6 +29,7 @@ from autoshard.ir import meta as M
 from autoshard.ir.pipeline import LOSS_REWRITE, LossRewrite
 from autoshard.passes.rules_vocab import cross_entropy_args
 from autoshard.passes.walk import upstream
+from autoshard.ir.errors import warn_user
 
 aten = torch.ops.aten
 MEAN, SUM = 1, 2
@@ -253,8 +253,8 @@ def microbatch_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     gm.meta[LOSS_REWRITE] = rewrite
     pieces = ctx.options.pipeline.microbatches * ctx.mesh.dp
     if not rewrite.exact and pieces > 1 and ctx.rank == 0:   # said once, where the user looks (not only in the dump)
-        warnings.warn(f"autoshard: pm.step combines this loss as the mean of its {pieces} microbatch losses "
+        warn_user(f"autoshard: pm.step combines this loss as the mean of its {pieces} microbatch losses "
                       f"(microbatches x dp), which equals the whole batch's loss only when every microbatch "
                       f"weighs alike in it (as many non-ignored targets; with class weights, the same total "
-                      f"weight): {rewrite.reason}", stacklevel=2)
+                      f"weight): {rewrite.reason}")
     return gm

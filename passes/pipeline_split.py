@@ -24,7 +24,6 @@ read, because a user's layer index is one).
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +40,7 @@ from autoshard.passes.chunk_loss import heads_with_the_loss
 from autoshard.passes.plan import sequence_split_problem
 from autoshard.passes.stage_prices import (PerRankRecompute, Segments, _nbytes, boundary_link, kept_for_w, layer_of,
                                            layer_prefix, predict, price, simulation_costs)
+from autoshard.ir.errors import warn_user
 
 class PipelineSplitError(ValueError):
     """The model cannot be cut as asked; the message says how it can be."""
@@ -307,9 +307,9 @@ def _stage_plan(gm, ctx, cm, name: str, v: int, cands, prefix, count, seg, whole
         if base is not None:
             choice = f"{name} predicts {step * 1e3:.3f} ms a step, {against} {base * 1e3:.3f} ms on the same cuts."
         if base is not None and step > base * 1.001 and opts.schedule == name:
-            warnings.warn(f"schedule={name!r} is predicted slower than {against} on these stages ({step * 1e3:.3f} "
+            warn_user(f"schedule={name!r} is predicted slower than {against} on these stages ({step * 1e3:.3f} "
                           f"against {base * 1e3:.3f} ms: its split backward costs more than the bubble it fills, "
-                          "or uneven stages leave W little room); schedule='auto' picks the faster", stacklevel=4)
+                          "or uneven stages leave W little room); schedule='auto' picks the faster")
     plan = StagePlan(stages, [cands[c - 1].boundary.name for c in cuts], costs, how, len(cands), count, step, peak,
                      stretches=list(cuts), carried=[tuple(a.name for a in cands[c - 1].carried) for c in cuts],
                      schedule=schedule, schedule_choice=choice,

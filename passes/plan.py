@@ -16,7 +16,6 @@ and returns the ``PlanReport``).
 from __future__ import annotations
 
 import time
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -37,6 +36,7 @@ from autoshard.passes.cost import (collectives_time, flops, replica_price, resid
 from autoshard.passes.hints import block_hints, inherit_hints, offer_blocked_outputs
 from autoshard.passes.rules import RuleContext, Strategy, shard_options, strategies_for
 from autoshard.passes.shapes import module_path, shape_of, val
+from autoshard.ir.errors import warn_user
 
 FORBIDDEN = 1e9  # seconds: a choice the ILP must never take
 
@@ -367,9 +367,9 @@ def plan_pass(gm, ctx):
             prob = build_problem(gm, rctx, ctx.options.cost_model, ctx.options.pins, rg, replicated, outs=stream)
             sol = solve(prob, f"tp={rctx.t}, sequence parallel")
         else:
-            warnings.warn(f"autoshard: sequence_parallel was asked for, but {no_sequence_shards(gm, rctx.t)}: "
+            warn_user(f"autoshard: sequence_parallel was asked for, but {no_sequence_shards(gm, rctx.t)}: "
                           "the model runs as plain tensor parallelism (all-reduces, the stream whole on every "
-                          "rank)", stacklevel=2)
+                          "rank)")
     report = apply_solution(gm, sol, rctx, rg, prob.unruled, replicated)
     report.attention = [lay.describe(rctx.t) for lay in layouts]
     gm.meta[M.PLAN_REPORT] = report

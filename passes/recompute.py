@@ -20,7 +20,6 @@ recompute, in the same order on every rank of their group, as in Megatron.
 """
 from __future__ import annotations
 
-import warnings
 
 import torch.fx as fx
 
@@ -30,6 +29,7 @@ from autoshard.ir.recompute import RecomputePlan, RecomputeRegion
 from autoshard.passes.pipeline_split import activations, candidates
 from autoshard.passes.stage_prices import layer_of, layer_prefix
 from autoshard.passes.shapes import module_path, writes_in_place
+from autoshard.ir.errors import warn_user
 
 
 def _stretches(gm: fx.GraphModule) -> list[tuple[int, int, set]]:
@@ -118,5 +118,5 @@ def recompute_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                                  "(and small values beside it) is live" if not skipped else "every layer writes in place") + ": nothing is recomputed"
     plan = gm.meta[RECOMPUTE_PLAN] = RecomputePlan(tuple(regions), reason, tuple(skipped))
     if not regions or skipped:   # asked for, and (partly) not done: say so where the user looks, not only in plan.md
-        warnings.warn(f"autoshard: recompute was asked for, but {plan.reason or '; '.join(skipped)}", stacklevel=2)
+        warn_user(f"autoshard: recompute was asked for, but {plan.reason or '; '.join(skipped)}")
     return gm

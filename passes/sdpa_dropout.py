@@ -20,7 +20,6 @@ fused and a warning names the consequence. Grouped-query calls (``enable_gqa``) 
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 import torch.fx as fx
@@ -30,6 +29,7 @@ from autoshard.ir.placement import DistSpec, Shard
 from autoshard.passes.fusion import _runs_on_cuda
 from autoshard.passes.shapes import module_path
 from autoshard.passes.sharded_dropout import _even_shard, like_node
+from autoshard.ir.errors import warn_user
 
 aten = torch.ops.aten
 
@@ -65,11 +65,11 @@ def sdpa_dropout_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if fused:       # one warning a program, naming the modules
         why = "on CUDA, SDPA's fused kernels" if _runs_on_cuda() else "grouped-query SDPA, or a shard of rows"
         shown = ", ".join(f"'{m}'" for m in fused[:4]) + (f" and {len(fused) - 4} more" if len(fused) > 4 else "")
-        warnings.warn(f"autoshard: the attention in {shown} ({why}) drops out attention probabilities on a tp shard "
+        warn_user(f"autoshard: the attention in {shown} ({why}) drops out attention probabilities on a tp shard "
                       "inside the op: each tp rank draws the same mask over its own heads, not one device's mask "
                       "over all of them (statistically correlated across ranks). Set the attention dropout to 0 (HF: "
                       "attn_pdrop / attention_dropout) or use eager attention to train with the single device's "
-                      "masks", stacklevel=2)
+                      "masks")
     if changed:
         g.lint()
         gm.recompile()

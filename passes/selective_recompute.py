@@ -16,7 +16,6 @@ this rank's kv heads, whose only collective is its gradient's gather, is not a f
 """
 from __future__ import annotations
 
-import warnings
 
 import torch.fx as fx
 
@@ -26,6 +25,7 @@ from autoshard.passes.attention import attentions
 from autoshard.passes.stage_prices import layer_of, layer_prefix
 from autoshard.passes.recompute import in_recompute_stages
 from autoshard.passes.shapes import module_path, writes_in_place
+from autoshard.ir.errors import warn_user
 
 
 def _communicates_forward(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -77,6 +77,6 @@ def selective_recompute_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
                                             "product with v) was found")
     plan = gm.meta[RECOMPUTE_PLAN] = RecomputePlan(tuple(regions), reason, tuple(skipped), kind="selective")
     if not regions:
-        warnings.warn(f"autoshard: recompute='selective' was asked for, but {plan.reason or '; '.join(skipped)}: "
-                      "nothing is recomputed", stacklevel=2)
+        warn_user(f"autoshard: recompute='selective' was asked for, but {plan.reason or '; '.join(skipped)}: "
+                      "nothing is recomputed")
     return gm

@@ -7,7 +7,6 @@
 """
 from __future__ import annotations
 
-import warnings
 
 import torch
 import torch.fx as fx
@@ -15,6 +14,7 @@ import torch.fx as fx
 from autoshard.ir import meta as M
 from autoshard.passes.attention import attention_layouts
 from autoshard.passes.shapes import module_path
+from autoshard.ir.errors import warn_user
 
 aten = torch.ops.aten
 
@@ -46,10 +46,10 @@ def check_heads_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
             dropouts.append(module_path(n))
     if dropouts:   # one warning a program, naming the modules
         shown = ", ".join(f"'{m}'" for m in dropouts[:4]) + (f" and {len(dropouts) - 4} more" if len(dropouts) > 4 else "")
-        warnings.warn(f"dropout in {shown}: the tp ranks draw their masks from their own torch RNG, so seed every "
+        warn_user(f"dropout in {shown}: the tp ranks draw their masks from their own torch RNG, so seed every "
                       "rank identically (torch.manual_seed(seed) on all ranks): replicated activations then draw "
                       "identical masks, and a sharded one draws the whole tensor's mask on every rank and keeps its "
-                      "part (passes/sharded_dropout.py), as one device would", stacklevel=2)
+                      "part (passes/sharded_dropout.py), as one device would")
     return gm
 
 

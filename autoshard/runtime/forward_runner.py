@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from autoshard.ir import meta as M
-from autoshard.ir.errors import InputError
+from autoshard.ir.errors import InputError, warn_user
 from autoshard.ir.partial_grads import TP_PARTIAL_GRADS
 from autoshard.ir.program import Program
 from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch
@@ -137,9 +136,9 @@ def warn_constant_inputs(key: ProgramKey, held: list, leaves, spec) -> None:
         return
     named = named_leaves(pytree.tree_unflatten(list(leaves), spec))
     said = ", ".join(f"'{named[i][0]}' = {named[i][1]!r}" for i in diff if i < len(named))
-    warnings.warn(f"autoshard: a new program is compiled because a Python number among the inputs took a new value "
+    warn_user(f"autoshard: a new program is compiled because a Python number among the inputs took a new value "
                   f"({said}): export compiles a number in as a constant, so each new value compiles (and caches) "
-                  "another program; pass it as a tensor (torch.tensor(n)) to make it an input", stacklevel=4)
+                  "another program; pass it as a tensor (torch.tensor(n)) to make it an input")
 
 
 def _explain_mismatch(leaves, spec, program: Program):

@@ -25,14 +25,13 @@ program's compute dtype on the way into the graph, so gradients accumulate in fp
 from __future__ import annotations
 
 import copy
-import warnings
 import zlib
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autoshard.ir.errors import InputError
+from autoshard.ir.errors import InputError, warn_user
 from autoshard.ir.partial_grads import sum_over_tp
 from autoshard.ir.placement import Shard, local_size, shard_range
 from autoshard.runtime import fused_optim
@@ -337,7 +336,7 @@ class ShardedParameters(nn.Module):
         owner_name, _, leaf = name.rpartition(".")
         owner = model.get_submodule(owner_name)
         if not hasattr(owner, "reset_parameters"):
-            warnings.warn(f"parameter '{name}' is on the meta device and {type(owner).__name__} has no "
+            warn_user(f"parameter '{name}' is on the meta device and {type(owner).__name__} has no "
                           "reset_parameters(): it starts uninitialised; load weights with load_full_state_dict")
         scratch = _on_scratch(owner, name, lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
         return getattr(scratch, leaf).detach()
@@ -442,7 +441,7 @@ def _rebuilt_buffer(model, name, b, persistent):
             return values[0]
     rebuilt_by = " or ".join(tried) or "no init"
     if persistent:
-        warnings.warn(f"buffer '{name}' ({type(owner).__name__}) is on the meta device and {rebuilt_by} rebuilds "
+        warn_user(f"buffer '{name}' ({type(owner).__name__}) is on the meta device and {rebuilt_by} rebuilds "
                       "it: it starts at zeros; load it with load_full_state_dict")
         return torch.zeros_like(b, device="cpu")
     raise ValueError(f"buffer '{name}' of '{owner_name}' ({type(owner).__name__}) is on the meta device and is not "

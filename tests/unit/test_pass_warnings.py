@@ -1,5 +1,6 @@
 """A pass's warnings point at the user's line (their ``parallelize`` / ``compile_rank`` call), not at
-the pass manager's, and still obey the user's warning filters."""
+the pass that raised them (``ir.errors.warn_user``), and obey the user's warning filters: shown once per
+line by default, an error under an error filter."""
 import warnings
 
 import pytest
@@ -28,3 +29,12 @@ def test_a_pass_warning_obeys_an_error_filter():
         warnings.filterwarnings("error", message=".*dropout")
         with pytest.raises(UserWarning, match="dropout"):
             autoshard.compile_rank(_dropout_gpt(), MeshSpec(tp=2), 0, (x, x))
+
+
+def test_a_pass_warning_is_shown_once_per_line_by_default():
+    x = torch.randint(0, 96, (2, 8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            autoshard.compile_rank(_dropout_gpt(), MeshSpec(tp=2), 0, (x, x))
+    assert len([w for w in caught if "dropout in" in str(w.message)]) == 1
