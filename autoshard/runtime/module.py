@@ -111,7 +111,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         # hold would read the model's initial value, not what was loaded since
         self._stages_fixed = staged
         self._runners = ProgramCache(lambda: self.max_programs, "step program", on_drop=lambda r: r.close())
-        self._dp_checks = 0                # pm.step / eval_batch calls whose batches were compared over dp
+        self._dp_checks = self._dp_eval_checks = 0   # pm.step / eval_batch calls (their batches compared over dp)
         self.runner = self._first_runner     # the runner of the last step (timelines read it)
         training.register_state_dict_names(self)
 
@@ -252,7 +252,8 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             raise RuntimeError("pm.step runs forward and backward and cannot run under torch.no_grad(); for a "
                                "validation loss call pm.eval_batch(*batch) (eval mode, no gradients)")
         args, kwargs = to_device((args, in_example_order(kwargs, self.first_capture()[0])), self.device)
-        self._check_replicas_agree(args, kwargs, "pm.step")
+        self._dp_checks += 1
+        self._check_replicas_agree(args, kwargs, "pm.step", self._dp_checks)
         runner = self.runner = self._runner_for(args, kwargs, self.training)
         loss = runner.step(args, kwargs)
         self._step_calls += 1
@@ -260,7 +261,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             self.check_replicas()
         return loss
 
-    def _check_replicas_agree(self, args, kwargs, where: str) -> None:
+    def _check_replicas_agree(self, args, kwargs, where: str, calls: int) -> None:
         """The dp replicas' batches of one shape and in range, before a program is chosen: a replica given
         other shapes would compile and run another program, whose collectives pair with the others'
         wrongly (a hang), and one whose token ids or labels are out of range raises alone while the others
@@ -268,9 +269,8 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         call on gloo (the host's own numbers); on NCCL, where the read waits for the GPU's queue, the first
         CHECKED_CALLS only (a replica whose shapes change later, alone, is not caught there; its ranges are
         asserted on the device)."""
-        self._dp_checks += 1
         dp = self.comms.get("dp")
-        if dp is None or dp.size == 1 or (self._dp_checks > CHECKED_CALLS and uses_nccl()):
+        if dp is None or dp.size == 1 or (calls > CHECKED_CALLS and uses_nccl()):
             return
         leaves, spec = pytree.tree_flatten((args, kwargs))
         captured, problem = self.first_capture()[0], None
@@ -278,7 +278,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
             try:
                 check_inputs(captured.index_ranges,
                              dict(zip(captured.user_input_names, (leaves[i] for i in captured.input_leaves))))
-            except InputError as e:
+            except Exception as e:  # noqa: BLE001 - raised after the all-gather, so no replica is left waiting
                 problem = e
         check_same_shapes_over_dp(self.comms, leaves, where, problem)
 
@@ -288,7 +288,8 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         kept. Its program is compiled on first use (per batch shape), on the training program's stage cuts
         and placements, so it runs on the same parameter shards."""
         args, kwargs = to_device((args, in_example_order(kwargs, self.first_capture()[0])), self.device)
-        self._check_replicas_agree(args, kwargs, "pm.eval_batch")
+        self._dp_eval_checks += 1
+        self._check_replicas_agree(args, kwargs, "pm.eval_batch", self._dp_eval_checks)
         return self._runner_for(args, kwargs, training=False).eval_batch(args, kwargs)
 
     # --- state ----------------------------------------------------------------------------------------

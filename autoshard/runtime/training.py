@@ -257,6 +257,12 @@ def _load_state_dict_names(module, state_dict, prefix, *args):
         if prefix + alias in state_dict:
             value = state_dict.pop(prefix + alias)
             state_dict.setdefault(prefix + main, value)
+    # a single-device state dict holds every stage's entries: this pipeline rank takes its own and leaves
+    # the model's others (a name the model does not have stays, for torch's strict check to report)
+    held = set(module.params.keys) | set(module._buffer_names)
+    others = (set(module.model_parameter_names()) | module._persistent) - held
+    for name in others:
+        state_dict.pop(prefix + name, None)
     for name, k in module.params.keys.items():
         if prefix + name in state_dict:
             value = module.params.from_checkpoint_view(name, state_dict.pop(prefix + name))

@@ -20,7 +20,7 @@ def _rank_input(shape, rank, dtype):
 def _collectives(rank, world):
     comm = AxisComm("tp", world, rank, dist.group.WORLD)
     worst = 0.0
-    for dtype in (torch.float32, torch.float64, torch.int64):
+    for dtype in (torch.float32, torch.float64, torch.int64, torch.int32):
         for shape in SHAPES:
             for dim in range(-len(shape), len(shape)):
                 inputs = [_rank_input(shape, r, dtype) for r in range(world)]
@@ -50,6 +50,6 @@ def _collectives(rank, world):
 def test_gather_and_reduce_scatter_match_their_definitions(world):
     for worst, calls in run_distributed(_collectives, world, timeout=300):
         assert worst < 1e-5
-        cases = 3 * sum(2 * len(s) for s in SHAPES)       # dtypes x (shape, dim): each call counted once
+        cases = 4 * sum(2 * len(s) for s in SHAPES)       # dtypes x (shape, dim): each call counted once
         assert calls[("tp", "bwd", "all_gather")] == calls[("tp", "fwd", "reduce_scatter")] == cases
         assert calls[("tp", "bwd", "reduce_scatter")] == cases and calls[("tp", "fwd", "all_gather")] == cases + 1

@@ -57,6 +57,11 @@ def _state_dicts(rank, world, tmp):
     fresh.load_state_dict(pm.state_dict())
     got = fresh.full_state_dict()
     out["round trip"] = max(float((got[k] - trained[k]).abs().max()) for k in trained)
+    # on a pipeline each rank takes its own stage's entries of a single-device state dict (strict)
+    piped = autoshard.parallelize(copy.deepcopy(model), autoshard.init_mesh(pp=world), (idx, tgt), microbatches=2)
+    piped.load_state_dict(other.state_dict())
+    got = piped.full_state_dict()
+    out["pipeline full tensors"] = max(float((got[k] - v).abs().max()) for k, v in other.state_dict().items())
     bad = dict(other.state_dict())
     bad["transformer.h.0.mlp.c_fc.weight"] = bad["transformer.h.0.mlp.c_fc.weight"][:5]
     try:
@@ -73,7 +78,7 @@ def test_state_dict_as_torch_users_use_it(tmp_path):
         mine, model = r["keys"]
         assert mine == model                          # lm_head.weight (tied) included
         assert r["saved"]
-        assert r["full tensors"] == 0.0 and r["round trip"] == 0.0
+        assert r["full tensors"] == 0.0 and r["round trip"] == 0.0 and r["pipeline full tensors"] == 0.0
         assert r["wrong shape"] and "transformer.h.0.mlp.c_fc.weight" in r["wrong shape"] \
             and "(5, 32)" in r["wrong shape"] and "(128, 32)" in r["wrong shape"]
     assert results[0]["dcp into one device"] == 0.0
