@@ -131,8 +131,12 @@ def bind(gm: fx.GraphModule, comms: dict, device: torch.device | None = None, co
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))  # the program keeps its own graph, untouched
     bound = checkpoint_regions(retarget(fx.GraphModule(root, graph), device))   # the recompute plan's regions, if any
+    # fallback_random: dropout draws from torch's own generator, as eager does, so every rank seeded alike
+    # draws the single device's masks (Inductor's Philox stream would draw others); "reduce-overhead" is
+    # Inductor's triton.cudagraphs option, given as one so that both go in
     if codegen == "inductor" and cuda_graphs:
-        return torch.compile(bound, dynamic=False, mode="reduce-overhead")
+        return torch.compile(bound, dynamic=False, options={"triton.cudagraphs": True, "fallback_random": True})
     if codegen == "inductor":     # static shapes: one compiled graph per program, as the program cache is keyed
-        return torch.compile(bound, dynamic=False, options={"reorder_for_compute_comm_overlap": True})
+        return torch.compile(bound, dynamic=False, options={"reorder_for_compute_comm_overlap": True,
+                                                             "fallback_random": True})
     return bound

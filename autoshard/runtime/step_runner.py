@@ -38,6 +38,7 @@ from autoshard.runtime.bind import bind
 from autoshard.runtime.data_parallel import GradReducer
 from autoshard.runtime.executor import Denominator, Run
 from autoshard.runtime.input_checks import check_inputs
+from autoshard.runtime.stage_rng import draws_random, stage_stream
 from autoshard.runtime.microbatch import split_batch
 
 
@@ -65,6 +66,8 @@ class StepRunner:
         self.dp_reducer = None               # the last step's dp reducer (last_dp_wait reads its wait)
         self._leaves = None                  # (the step's local leaves, their dp reducer), remade on a new shard
         self._batch_checks = 0               # calls whose batch was checked to be the same on tp and pp ranks
+        # any stage draws random numbers (dropout): each pp rank then steps on a stream of its own
+        self.draws_random = draws_random(c.gm for c in program.chunks)
 
     # --- the stage interface Run walks the schedule through --------------------------------------------
     @property
@@ -212,7 +215,9 @@ class StepRunner:
         saved_tied = self._stash_tied_grads()
         try:
             run = Run(self, users, grads_held)
-            run.execute(self.schedule.actions.get(self.program.pp_rank, []))
+            pp = self.module.comms["pp"]
+            with stage_stream(pp.size, pp.rank, self.draws_random):
+                run.execute(self.schedule.actions.get(self.program.pp_rank, []))
         except BaseException:      # the earlier gradients of tied weights are the caller's: put them back
             for name, p, _ in self._tied():
                 p.grad = saved_tied.get(name)
