@@ -254,7 +254,7 @@ def microbatch_loss_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     pieces = ctx.options.pipeline.microbatches * ctx.mesh.dp
     if not rewrite.exact and pieces > 1 and ctx.rank == 0:   # said once, where the user looks (not only in the dump)
         warn_user(f"autoshard: pm.step combines this loss as the mean of its {pieces} microbatch losses "
-                      f"(microbatches x dp), which equals the whole batch's loss only when every microbatch "
-                      f"weighs alike in it (as many non-ignored targets; with class weights, the same total "
-                      f"weight): {rewrite.reason}")
+                  f"(microbatches x dp), which equals the whole batch's loss only when every microbatch "
+                  f"weighs alike in it (as many non-ignored targets; with class weights, the same total "
+                  f"weight): {rewrite.reason}")
     return gm

@@ -308,8 +308,8 @@ def _stage_plan(gm, ctx, cm, name: str, v: int, cands, prefix, count, seg, whole
             choice = f"{name} predicts {step * 1e3:.3f} ms a step, {against} {base * 1e3:.3f} ms on the same cuts."
         if base is not None and step > base * 1.001 and opts.schedule == name:
             warn_user(f"schedule={name!r} is predicted slower than {against} on these stages ({step * 1e3:.3f} "
-                          f"against {base * 1e3:.3f} ms: its split backward costs more than the bubble it fills, "
-                          "or uneven stages leave W little room); schedule='auto' picks the faster")
+                      f"against {base * 1e3:.3f} ms: its split backward costs more than the bubble it fills, "
+                      "or uneven stages leave W little room); schedule='auto' picks the faster")
     plan = StagePlan(stages, [cands[c - 1].boundary.name for c in cuts], costs, how, len(cands), count, step, peak,
                      stretches=list(cuts), carried=[tuple(a.name for a in cands[c - 1].carried) for c in cuts],
                      schedule=schedule, schedule_choice=choice,

@@ -368,8 +368,8 @@ def plan_pass(gm, ctx):
             sol = solve(prob, f"tp={rctx.t}, sequence parallel")
         else:
             warn_user(f"autoshard: sequence_parallel was asked for, but {no_sequence_shards(gm, rctx.t)}: "
-                          "the model runs as plain tensor parallelism (all-reduces, the stream whole on every "
-                          "rank)")
+                      "the model runs as plain tensor parallelism (all-reduces, the stream whole on every "
+                      "rank)")
     report = apply_solution(gm, sol, rctx, rg, prob.unruled, replicated)
     report.attention = [lay.describe(rctx.t) for lay in layouts]
     gm.meta[M.PLAN_REPORT] = report

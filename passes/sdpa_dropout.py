@@ -66,10 +66,10 @@ def sdpa_dropout_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
         why = "on CUDA, SDPA's fused kernels" if _runs_on_cuda() else "grouped-query SDPA, or a shard of rows"
         shown = ", ".join(f"'{m}'" for m in fused[:4]) + (f" and {len(fused) - 4} more" if len(fused) > 4 else "")
         warn_user(f"autoshard: the attention in {shown} ({why}) drops out attention probabilities on a tp shard "
-                      "inside the op: each tp rank draws the same mask over its own heads, not one device's mask "
-                      "over all of them (statistically correlated across ranks). Set the attention dropout to 0 (HF: "
-                      "attn_pdrop / attention_dropout) or use eager attention to train with the single device's "
-                      "masks")
+                  "inside the op: each tp rank draws the same mask over its own heads, not one device's mask "
+                  "over all of them (statistically correlated across ranks). Set the attention dropout to 0 (HF: "
+                  "attn_pdrop / attention_dropout) or use eager attention to train with the single device's "
+                  "masks")
     if changed:
         g.lint()
         gm.recompile()

@@ -78,5 +78,5 @@ def selective_recompute_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     plan = gm.meta[RECOMPUTE_PLAN] = RecomputePlan(tuple(regions), reason, tuple(skipped), kind="selective")
     if not regions:
         warn_user(f"autoshard: recompute='selective' was asked for, but {plan.reason or '; '.join(skipped)}: "
-                      "nothing is recomputed")
+                  "nothing is recomputed")
     return gm

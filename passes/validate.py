@@ -47,9 +47,9 @@ def check_heads_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     if dropouts:   # one warning a program, naming the modules
         shown = ", ".join(f"'{m}'" for m in dropouts[:4]) + (f" and {len(dropouts) - 4} more" if len(dropouts) > 4 else "")
         warn_user(f"dropout in {shown}: the tp ranks draw their masks from their own torch RNG, so seed every "
-                      "rank identically (torch.manual_seed(seed) on all ranks): replicated activations then draw "
-                      "identical masks, and a sharded one draws the whole tensor's mask on every rank and keeps its "
-                      "part (passes/sharded_dropout.py), as one device would")
+                  "rank identically (torch.manual_seed(seed) on all ranks): replicated activations then draw "
+                  "identical masks, and a sharded one draws the whole tensor's mask on every rank and keeps its "
+                  "part (passes/sharded_dropout.py), as one device would")
     return gm
 
 

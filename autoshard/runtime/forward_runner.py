@@ -137,8 +137,8 @@ def warn_constant_inputs(key: ProgramKey, held: list, leaves, spec) -> None:
     named = named_leaves(pytree.tree_unflatten(list(leaves), spec))
     said = ", ".join(f"'{named[i][0]}' = {named[i][1]!r}" for i in diff if i < len(named))
     warn_user(f"autoshard: a new program is compiled because a Python number among the inputs took a new value "
-                  f"({said}): export compiles a number in as a constant, so each new value compiles (and caches) "
-                  "another program; pass it as a tensor (torch.tensor(n)) to make it an input")
+              f"({said}): export compiles a number in as a constant, so each new value compiles (and caches) "
+              "another program; pass it as a tensor (torch.tensor(n)) to make it an input")
 
 
 def _explain_mismatch(leaves, spec, program: Program):

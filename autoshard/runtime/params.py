@@ -337,7 +337,7 @@ class ShardedParameters(nn.Module):
         owner = model.get_submodule(owner_name)
         if not hasattr(owner, "reset_parameters"):
             warn_user(f"parameter '{name}' is on the meta device and {type(owner).__name__} has no "
-                          "reset_parameters(): it starts uninitialised; load weights with load_full_state_dict")
+                      "reset_parameters(): it starts uninitialised; load weights with load_full_state_dict")
         scratch = _on_scratch(owner, name, lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None)
         return getattr(scratch, leaf).detach()
 
@@ -442,7 +442,7 @@ def _rebuilt_buffer(model, name, b, persistent):
     rebuilt_by = " or ".join(tried) or "no init"
     if persistent:
         warn_user(f"buffer '{name}' ({type(owner).__name__}) is on the meta device and {rebuilt_by} rebuilds "
-                      "it: it starts at zeros; load it with load_full_state_dict")
+                  "it: it starts at zeros; load it with load_full_state_dict")
         return torch.zeros_like(b, device="cpu")
     raise ValueError(f"buffer '{name}' of '{owner_name}' ({type(owner).__name__}) is on the meta device and is not "
                      f"saved in a state dict, and {rebuilt_by} rebuilds it: build the model with that buffer on a "
