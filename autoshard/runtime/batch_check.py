@@ -73,7 +73,8 @@ def check_same_shapes_over_dp(comms: dict, leaves: list, where: str, problem: Ex
         return
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]    # shapes only (no pass over the data)
     mine = torch.tensor([len(tensors), sum(_shape_code(i, x) for i, x in enumerate(tensors)),
-                         sum(x.numel() for x in tensors), _rows(leaves), problem is not None],
+                         sum(x.numel() for x in tensors), _rows(leaves),
+                         0 if problem is None else 1 if isinstance(problem, InputError) else 2],
                         dtype=torch.float64, device=collective_device())
     every = [torch.empty_like(mine) for _ in range(comm.size)]
     dist.all_gather(every, mine, group=group)
@@ -88,10 +89,10 @@ def check_same_shapes_over_dp(comms: dict, leaves: list, where: str, problem: Ex
         raise problem
     bad = [r for r, e in enumerate(every) if e[4]]
     if bad:
-        raise InputError(f"{where}: dp replica {bad[0]} of {comm.size} was given a batch with a value out of range "
-                         "(a token id past the embedding, or a label past the classes); that replica's error "
-                         "names the value and its position, and every replica stops here, before the step's "
-                         "collectives")
+        what = ("a batch with a value out of range (a token id past the embedding, or a label past the classes)"
+                if every[bad[0]][4] == 1 else "a batch its input checks failed on")
+        raise InputError(f"{where}: dp replica {bad[0]} of {comm.size} was given {what}; that replica's error names "
+                         "the value and its position, and every replica stops here, before the step's collectives")
 
 
 def check_same_batch(comms: dict, leaves: list, where: str) -> None:

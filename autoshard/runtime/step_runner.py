@@ -216,7 +216,7 @@ class StepRunner:
         try:
             run = Run(self, users, grads_held)
             pp = self.module.comms["pp"]
-            with stage_stream(pp.size, pp.rank, self.draws_random):
+            with stage_stream(pp.size, pp.rank, self.draws_random, self.module.device):
                 run.execute(self.schedule.actions.get(self.program.pp_rank, []))
         except BaseException:      # the earlier gradients of tied weights are the caller's: put them back
             for name, p, _ in self._tied():

@@ -257,12 +257,7 @@ def _load_state_dict_names(module, state_dict, prefix, *args):
         if prefix + alias in state_dict:
             value = state_dict.pop(prefix + alias)
             state_dict.setdefault(prefix + main, value)
-    # a single-device state dict holds every stage's entries: this pipeline rank takes its own and leaves
-    # the model's others (a name the model does not have stays, for torch's strict check to report)
-    held = set(module.params.keys) | set(module._buffer_names)
-    others = (set(module.model_parameter_names()) | module._persistent) - held
-    for name in others:
-        state_dict.pop(prefix + name, None)
+    _leave_other_stages(module, state_dict, prefix, args[1] if len(args) > 1 else True)
     for name, k in module.params.keys.items():
         if prefix + name in state_dict:
             value = module.params.from_checkpoint_view(name, state_dict.pop(prefix + name))
@@ -270,3 +265,31 @@ def _load_state_dict_names(module, state_dict, prefix, *args):
     for i, b in enumerate(module._buffer_names):
         if prefix + b in state_dict:
             state_dict[prefix + f"b{i}"] = state_dict.pop(prefix + b)
+
+
+def _leave_other_stages(module, state_dict, prefix, strict: bool) -> None:
+    """A single-device state dict holds every stage's entries: this pipeline rank takes its own and leaves
+    those another stage holds (a name no stage holds stays, for torch's strict check to report). First
+    every entry is checked against every stage's records, alike on every rank: a rank that raised alone
+    would leave the others waiting at the step's first transfer."""
+    program = module.program
+    chunks = getattr(program, "chunks", None)
+    if chunks is None:
+        return
+    records = {r.name: r for c in chunks for r in c.params} | {r.name: r for r in getattr(program, "unread", [])}
+    elsewhere = set(records) | {i.name for c in chunks for i in c.inputs if i.kind == "buffer"}
+    held = set(module.params.keys) | set(module._buffer_names)
+    given = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    if not any(name in given for name in elsewhere - held):
+        return                        # this rank's own entries (pm.state_dict()): nothing to leave
+    wrong = [f"'{n}' {tuple(given[n].shape)} (the model's is {tuple(r.global_shape)})" for n, r in records.items()
+             if n in given and torch.is_tensor(given[n]) and not hasattr(given[n], "to_local")
+             and tuple(given[n].shape) != tuple(r.global_shape)]
+    missing = sorted(n for n in records if n not in given) if strict else []
+    if wrong or missing:
+        raise InputError("load_state_dict: the single-device state dict does not fit the model" +
+                         (f": {len(wrong)} of other shapes, {wrong[:3]}" if wrong else "") +
+                         (f"; missing {len(missing)}: {missing[:4]}" if missing else "") +
+                         ". Load the state dict of this model's config (strict=False leaves missing ones as they are)")
+    for name in (elsewhere - held) & set(given):
+        state_dict.pop(prefix + name)

@@ -62,6 +62,16 @@ def _state_dicts(rank, world, tmp):
     piped.load_state_dict(other.state_dict())
     got = piped.full_state_dict()
     out["pipeline full tensors"] = max(float((got[k] - v).abs().max()) for k, v in other.state_dict().items())
+    # a wrong entry of either stage is an error on every pipeline rank (one raising alone would leave the
+    # other waiting at the step's first transfer)
+    for name in ("transformer.h.0.mlp.c_fc.weight", "transformer.h.1.mlp.c_fc.weight"):
+        cut = dict(other.state_dict())
+        cut[name] = cut[name][:3]
+        try:
+            piped.load_state_dict(cut)
+            out[f"pipeline wrong {name}"] = None
+        except InputError as e:
+            out[f"pipeline wrong {name}"] = str(e)
     bad = dict(other.state_dict())
     bad["transformer.h.0.mlp.c_fc.weight"] = bad["transformer.h.0.mlp.c_fc.weight"][:5]
     try:
@@ -81,4 +91,7 @@ def test_state_dict_as_torch_users_use_it(tmp_path):
         assert r["full tensors"] == 0.0 and r["round trip"] == 0.0 and r["pipeline full tensors"] == 0.0
         assert r["wrong shape"] and "transformer.h.0.mlp.c_fc.weight" in r["wrong shape"] \
             and "(5, 32)" in r["wrong shape"] and "(128, 32)" in r["wrong shape"]
+        for name in ("transformer.h.0.mlp.c_fc.weight", "transformer.h.1.mlp.c_fc.weight"):
+            message = r[f"pipeline wrong {name}"]
+            assert message and name in message and "(3, 32)" in message, (rank, name, message)
     assert results[0]["dcp into one device"] == 0.0

@@ -62,3 +62,17 @@ def test_draws_random_finds_dropout_in_a_graph_and_its_submodules():
     assert any(n.op == "call_module" for n in nested.graph.nodes)       # the dropout is in the submodule only
     assert draws_random([nested])
     assert not draws_random([fx.symbolic_trace(torch.nn.Linear(2, 2))])
+
+
+def test_a_dropout_of_p_0_an_eval_dropout_and_an_sdpa_without_dropout_draw_nothing():
+    import torch.fx as fx
+    aten = torch.ops.aten
+
+    def graph(fn):
+        return fx.symbolic_trace(fn)
+    assert not draws_random([graph(lambda x: aten.dropout.default(x, 0.0, True))])
+    assert not draws_random([graph(lambda x: aten.dropout.default(x, 0.1, False))])
+    assert draws_random([graph(lambda x: aten.dropout.default(x, 0.1, True))])
+    assert not draws_random([graph(lambda x: aten.scaled_dot_product_attention.default(x, x, x, None, 0.0, True))])
+    assert draws_random([graph(lambda x: aten.scaled_dot_product_attention.default(x, x, x, None, 0.1, True))])
+    assert draws_random([graph(lambda x: aten.bernoulli.p(x, 0.5))])
