@@ -27,7 +27,7 @@ from autoshard.ir.partial_grads import TP_PARTIAL_GRADS
 from autoshard.ir.program import Program
 from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch
 from autoshard.runtime.bind import bind
-from autoshard.runtime.input_checks import check_dtype_kinds, check_inputs, naming_new_shapes
+from autoshard.runtime.input_checks import check_call_inputs, check_dtype_kinds, naming_new_shapes
 from autoshard.runtime.program_cache import ProgramCache, ProgramKey, constants_only_change, program_key
 from autoshard.runtime.microbatch import named_leaves
 
@@ -108,7 +108,7 @@ class ForwardRunner:
             bound.batch_checks += 1
             check_same_batch(m.comms, leaves, "pm(...)")
         user = [leaves[i] for i in program.captured.input_leaves]  # the leaves the graph reads (tensors)
-        check_inputs(program.captured.index_ranges, dict(zip(program.captured.user_input_names, user)))
+        check_call_inputs(program.captured, leaves)
         buffers = [bound.constants[b] if b in bound.constants else m.buffer(b) for b in program.captured.buffer_names]
         partial = program.gm.meta.get(TP_PARTIAL_GRADS)
         inputs = m.params.call_inputs(program.params, program.options.cuda_graphs, partial.names if partial else ())

@@ -128,6 +128,12 @@ def check_inputs(ranges: list, values: dict) -> None:
             check_range(v, r.size, r.what, r.ignore_index, f"'{r.input}'")
 
 
+def check_call_inputs(captured, leaves: list) -> None:
+    """``check_inputs`` on a call's flattened leaves, named as ``captured`` (the program's capture) names them."""
+    check_inputs(captured.index_ranges,
+                 dict(zip(captured.user_input_names, (leaves[i] for i in captured.input_leaves))))
+
+
 def check_range(values: torch.Tensor, size: int, what: str, ignore_index: int | None = None,
                 name: str = "a tensor") -> None:
     """Raise (or assert on the device) unless every entry of ``values`` is in ``[0, size)`` or equals

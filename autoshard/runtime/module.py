@@ -36,7 +36,7 @@ from autoshard.runtime.device import mesh_device, owned, owned_constant, to_devi
 from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_shapes_over_dp
 from autoshard.runtime.forward_runner import ForwardRunner, warn_constant_inputs
 from autoshard.ir.errors import InputError
-from autoshard.runtime.input_checks import check_dtype_kinds, check_inputs, in_example_order, naming_new_shapes
+from autoshard.runtime.input_checks import check_call_inputs, check_dtype_kinds, in_example_order, naming_new_shapes
 from autoshard.runtime.params import ShardedParameters, model_buffers
 from autoshard.runtime.program_cache import ProgramCache, program_key
 from autoshard.runtime.step_runner import StepRunner
@@ -276,8 +276,7 @@ class ParallelModule(training.TrainingMethods, nn.Module):
         captured, problem = self.first_capture()[0], None
         if spec == captured.in_spec:     # (a call of another structure is checked by its own program)
             try:
-                check_inputs(captured.index_ranges,
-                             dict(zip(captured.user_input_names, (leaves[i] for i in captured.input_leaves))))
+                check_call_inputs(captured, leaves)
             except Exception as e:  # noqa: BLE001 - raised after the all-gather, so no replica is left waiting
                 problem = e
         check_same_shapes_over_dp(self.comms, leaves, where, problem)

@@ -37,7 +37,7 @@ from autoshard.runtime.batch_check import CHECKED_CALLS, check_same_batch
 from autoshard.runtime.bind import bind
 from autoshard.runtime.data_parallel import GradReducer
 from autoshard.runtime.executor import Denominator, Run
-from autoshard.runtime.input_checks import check_inputs
+from autoshard.runtime.input_checks import check_call_inputs
 from autoshard.runtime.stage_rng import draws_random, stage_stream
 from autoshard.runtime.microbatch import split_batch
 
@@ -193,8 +193,7 @@ class StepRunner:
             self._batch_checks += 1
             check_same_batch(comms, leaves, what)
 
-        check_inputs(captured.index_ranges,
-                     dict(zip(captured.user_input_names, (leaves[i] for i in captured.input_leaves))))
+        check_call_inputs(captured, leaves)
         micro = split_batch(leaves, self.schedule.microbatches, captured.example_leaves, (args, kwargs))
         return [dict(zip(captured.user_input_names, (mb[i] for i in captured.input_leaves))) for mb in micro]
 

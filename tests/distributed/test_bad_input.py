@@ -77,13 +77,18 @@ def _hf(mesh="tp2", **example):
 
 
 # --- the cases ---------------------------------------------------------------------------------------------
-def _one_bad_value(which: str, position: tuple, value: int):
-    """A case: the GPT's batch with one entry of the ids (``which="idx"``) or labels set to ``value``."""
+def _one_bad_value(which: str, position: tuple, value: int, rank: int | None = None, evaluate: bool = False):
+    """A case: the GPT's batch with one entry of the ids (``which="idx"``) or labels set to ``value`` (on
+    ``rank`` only, when given: each dp replica its own rows), then a training step or ``eval_batch``."""
     def run(mesh, tmp, **options):
         pm, idx, tgt = _gpt(mesh, **options)
         batch_ = {"idx": idx.clone(), "tgt": tgt.clone()}
-        batch_[which][position] = value
-        _train(pm, batch_["idx"], batch_["tgt"])
+        if rank is None or torch.distributed.get_rank() == rank:
+            batch_[which][position] = value
+        if evaluate:
+            pm.eval_batch(batch_["idx"], batch_["tgt"])
+        else:
+            _train(pm, batch_["idx"], batch_["tgt"])
     return run
 
 
@@ -91,6 +96,9 @@ label_too_large = _one_bad_value("tgt", (1, 3), 1500)
 label_negative = _one_bad_value("tgt", (0, 5), -7)
 id_too_large = _one_bad_value("idx", (2, 1), 5000)
 id_negative = _one_bad_value("idx", (0, 0), -1)
+# each replica its own rows, one of them with a bad value: every replica stops before the gradients' all-reduce
+label_too_large_on_one_replica = _one_bad_value("tgt", (2, 3), 1500, rank=1)
+id_too_large_in_eval_on_one_replica = _one_bad_value("idx", (1, 1), 5000, rank=0, evaluate=True)
 
 
 def float_ids(mesh, tmp):
@@ -174,23 +182,6 @@ def sequence_differs_per_dp_rank(mesh, tmp):
     pm, idx, tgt = _gpt(mesh)
     cols = 8 if torch.distributed.get_rank() == 0 else 6
     pm.step(idx[:, :cols], tgt[:, :cols])
-
-
-def label_too_large_on_one_replica(mesh, tmp):
-    """Each replica its own rows, one of them with a bad label: both stop before the gradients' all-reduce."""
-    pm, idx, tgt = _gpt(mesh)
-    tgt = tgt.clone()
-    if torch.distributed.get_rank() == 1:
-        tgt[2, 3] = 1500
-    pm.step(idx, tgt)
-
-
-def id_too_large_in_eval_on_one_replica(mesh, tmp):
-    pm, idx, tgt = _gpt(mesh)
-    idx = idx.clone()
-    if torch.distributed.get_rank() == 0:
-        idx[1, 1] = 5000
-    pm.eval_batch(idx, tgt)
 
 
 def inputs_embeds_after_input_ids(mesh, tmp):

@@ -73,20 +73,26 @@ def _runtime(rank, world):
     # ... also between dp replicas and between the pipeline stages holding a tied weight; and copies that
     # drift apart later are found by check_replicas on those axes too
     double = tuple(torch.cat([a] * 2) for a in args)
-    for axis in ("dp", "pp"):
-        small = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=96)
-        torch.manual_seed(rank)
-        try:
-            autoshard.parallelize(GPT(GPTConfig(**small)), autoshard.init_mesh(**{axis: world}), double, microbatches=2)
-            out[f"unseeded {axis}"] = None
-        except RuntimeError as e:
-            out[f"unseeded {axis}"] = str(e)
+    small = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=96)
+
+    def drifted(axis):
+        """A pm on ``axis`` built alike on every rank, then rank 1's copy of the embedding moved."""
         torch.manual_seed(0)
         pm_axis = autoshard.parallelize(GPT(GPTConfig(**small)), autoshard.init_mesh(**{axis: world}), double,
                                         microbatches=2)
         if rank == 1:
             with torch.no_grad():
                 pm_axis.local_parameters()["transformer.wte.weight"].to_local().add_(1e-3)
+        return pm_axis
+
+    for axis in ("dp", "pp"):
+        torch.manual_seed(rank)
+        try:
+            autoshard.parallelize(GPT(GPTConfig(**small)), autoshard.init_mesh(**{axis: world}), double, microbatches=2)
+            out[f"unseeded {axis}"] = None
+        except RuntimeError as e:
+            out[f"unseeded {axis}"] = str(e)
+        pm_axis = drifted(axis)
         try:
             pm_axis.check_replicas()
             out[f"drift {axis}"] = None
@@ -96,12 +102,7 @@ def _runtime(rank, world):
         os.environ["AUTOSHARD_CHECK_REPLICAS"] = "2"
         steps = 0
         try:
-            torch.manual_seed(0)
-            pm_env = autoshard.parallelize(GPT(GPTConfig(**small)), autoshard.init_mesh(**{axis: world}), double,
-                                           microbatches=2)
-            if rank == 1:
-                with torch.no_grad():
-                    pm_env.local_parameters()["transformer.wte.weight"].to_local().add_(1e-3)
+            pm_env = drifted(axis)
             for _ in range(3):
                 pm_env.step(*double)
                 steps += 1
